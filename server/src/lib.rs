@@ -1,0 +1,36 @@
+//! taskstream-server: a multi-threaded stream-task runtime in the style of Kafka
+//! Streams, where one task may be processed by several threads at once, plus
+//! the gRPC service that exposes it.
+//!
+//! Layout (one folder per concern):
+//! - `config`: the typed, validated configuration.
+//! - `log`: the source/sink abstraction (`Log`), the embedded `MemoryLog`, Kafka's partitioner.
+//! - `processor`: the `Processor` trait and the built-ins.
+//! - `store`: the `KeyValueStore` trait and backends.
+//! - `metadata`: StreamsMetadata, record outcomes, subscriptions.
+//! - `runtime`: threads, tasks, scheduling, sequencer/watermark, commits; `StreamsApp`.
+//! - `service`: gRPC handlers, a thin translation, and the one place errors become `Status`.
+//!
+//! The runtime knows nothing of gRPC and is usable as a library:
+//! build a [`Config`], start a [`StreamsApp`], produce, query, subscribe, shut down.
+
+pub mod config;
+pub mod log;
+pub mod metadata;
+pub mod processor;
+pub mod runtime;
+pub mod service;
+pub mod store;
+
+pub use config::{
+    CommitMode, Config, ConfigError, PipelineConfig, ProcessingOrder, ProcessorSpec, TopicConfig,
+};
+pub use log::{Log, LogError, MemoryLog, ProducerRecord, Record, RecordPosition};
+pub use metadata::{
+    AppState, EndAt, HostInfo, KeyMetadata, Outcome, OutcomeBatch, OutcomeSubscription, PartitionQueryResult,
+    RecordOutcome, RuntimeDescription, StartAt, StoreMetadata, StreamsMetadata, SubscribeRequest,
+    SubscriptionEvent, TaskMetadata, ThreadMetadata, ThreadState,
+};
+pub use processor::{ProcessError, Processor, ProcessorContext};
+pub use runtime::{AppBuilder, CommitReport, RuntimeError, StreamsApp};
+pub use store::{KeyValueStore, MemoryStore};

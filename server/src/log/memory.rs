@@ -1,0 +1,329 @@
+//! The embedded in-memory log: topics of partitions held by the server itself,
+//! one `RwLock` per partition so readers of different partitions never meet.
+
+use super::{AppendListener, Log, LogError, ProducerRecord, Record, RecordPosition, partition_for_key};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+#[derive(Default)]
+struct PartitionLog {
+    /// Offset of `records[0]`.
+    start_offset: u64,
+    records: VecDeque<Record>,
+}
+
+impl PartitionLog {
+    fn end_offset(&self) -> u64 {
+        self.start_offset + self.records.len() as u64
+    }
+}
+
+struct Topic {
+    partitions: Vec<RwLock<PartitionLog>>,
+    /// Round-robin cursor for records without key or partition.
+    next_unkeyed: AtomicU32,
+}
+
+/// An in-memory `Log`. Cheap to share: clone the `Arc`.
+#[derive(Default)]
+pub struct MemoryLog {
+    topics: RwLock<HashMap<String, Arc<Topic>>>,
+    committed: Mutex<HashMap<(String, String, u32), u64>>,
+    listeners: RwLock<Vec<AppendListener>>,
+}
+
+impl MemoryLog {
+    pub fn new() -> Arc<MemoryLog> {
+        Arc::new(MemoryLog::default())
+    }
+
+    fn topic(&self, topic: &str) -> Result<Arc<Topic>, LogError> {
+        self.topics
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(topic)
+            .cloned()
+            .ok_or_else(|| LogError::UnknownTopic(topic.to_string()))
+    }
+
+    fn partition<'t>(
+        topic_name: &str,
+        topic: &'t Topic,
+        partition: u32,
+    ) -> Result<&'t RwLock<PartitionLog>, LogError> {
+        topic
+            .partitions
+            .get(partition as usize)
+            .ok_or_else(|| LogError::UnknownPartition {
+                topic: topic_name.to_string(),
+                partition,
+                partitions: topic.partitions.len() as u32,
+            })
+    }
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+impl Log for MemoryLog {
+    fn ensure_topic(&self, topic: &str, partitions: u32) -> Result<(), LogError> {
+        let mut topics = self.topics.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(existing) = topics.get(topic) {
+            let existing = existing.partitions.len() as u32;
+            if existing != partitions {
+                return Err(LogError::PartitionCountMismatch {
+                    topic: topic.to_string(),
+                    existing,
+                    requested: partitions,
+                });
+            }
+            return Ok(());
+        }
+        topics.insert(
+            topic.to_string(),
+            Arc::new(Topic {
+                partitions: (0..partitions).map(|_| RwLock::default()).collect(),
+                next_unkeyed: AtomicU32::new(0),
+            }),
+        );
+        Ok(())
+    }
+
+    fn partitions(&self, topic: &str) -> Result<u32, LogError> {
+        Ok(self.topic(topic)?.partitions.len() as u32)
+    }
+
+    fn append(
+        &self,
+        topic_name: &str,
+        records: Vec<ProducerRecord>,
+    ) -> Result<Vec<RecordPosition>, LogError> {
+        let topic = self.topic(topic_name)?;
+        let count = topic.partitions.len() as u32;
+        // Route first so a bad partition rejects the whole batch before anything is written.
+        let mut routed = Vec::with_capacity(records.len());
+        for record in &records {
+            let partition = match (record.partition, &record.key) {
+                (Some(p), _) => {
+                    Self::partition(topic_name, &topic, p)?;
+                    p
+                }
+                (None, Some(key)) => partition_for_key(key, count),
+                (None, None) => topic.next_unkeyed.fetch_add(1, Ordering::Relaxed) % count,
+            };
+            routed.push(partition);
+        }
+        let now = now_ms();
+        let mut positions = vec![
+            RecordPosition {
+                partition: 0,
+                offset: 0
+            };
+            records.len()
+        ];
+        // Group by partition so each partition lock is taken once per batch.
+        let mut by_partition: Vec<Vec<(usize, ProducerRecord)>> = (0..count).map(|_| Vec::new()).collect();
+        for (index, (record, partition)) in records.into_iter().zip(routed).enumerate() {
+            by_partition[partition as usize].push((index, record));
+        }
+        let mut touched = Vec::new();
+        for (partition, batch) in by_partition.into_iter().enumerate() {
+            if batch.is_empty() {
+                continue;
+            }
+            let partition = partition as u32;
+            let mut log = topic.partitions[partition as usize]
+                .write()
+                .unwrap_or_else(|e| e.into_inner());
+            for (index, record) in batch {
+                let offset = log.end_offset();
+                log.records.push_back(Record {
+                    partition,
+                    offset,
+                    timestamp_ms: record.timestamp_ms.unwrap_or(now),
+                    key: record.key,
+                    value: record.value,
+                    headers: record.headers,
+                });
+                positions[index] = RecordPosition { partition, offset };
+            }
+            touched.push(partition);
+        }
+        let listeners = self.listeners.read().unwrap_or_else(|e| e.into_inner());
+        for partition in touched {
+            for listener in listeners.iter() {
+                listener(topic_name, partition);
+            }
+        }
+        Ok(positions)
+    }
+
+    fn read(
+        &self,
+        topic_name: &str,
+        partition: u32,
+        offset: u64,
+        max: usize,
+        out: &mut Vec<Record>,
+    ) -> Result<(), LogError> {
+        let topic = self.topic(topic_name)?;
+        let log = Self::partition(topic_name, &topic, partition)?
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        if offset < log.start_offset {
+            return Err(LogError::OffsetOutOfRange {
+                topic: topic_name.to_string(),
+                partition,
+                requested: offset,
+                earliest: log.start_offset,
+            });
+        }
+        let first = (offset - log.start_offset) as usize;
+        if first >= log.records.len() {
+            return Ok(());
+        }
+        let last = log.records.len().min(first.saturating_add(max));
+        out.extend(log.records.range(first..last).cloned());
+        Ok(())
+    }
+
+    fn end_offset(&self, topic_name: &str, partition: u32) -> Result<u64, LogError> {
+        let topic = self.topic(topic_name)?;
+        let log = Self::partition(topic_name, &topic, partition)?
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        Ok(log.end_offset())
+    }
+
+    fn start_offset(&self, topic_name: &str, partition: u32) -> Result<u64, LogError> {
+        let topic = self.topic(topic_name)?;
+        let log = Self::partition(topic_name, &topic, partition)?
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        Ok(log.start_offset)
+    }
+
+    fn commit(&self, group: &str, topic: &str, partition: u32, offset: u64) -> Result<(), LogError> {
+        let topic_ref = self.topic(topic)?;
+        Self::partition(topic, &topic_ref, partition)?;
+        self.committed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((group.to_string(), topic.to_string(), partition), offset);
+        Ok(())
+    }
+
+    fn committed(&self, group: &str, topic: &str, partition: u32) -> Result<Option<u64>, LogError> {
+        let topic_ref = self.topic(topic)?;
+        Self::partition(topic, &topic_ref, partition)?;
+        Ok(self
+            .committed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(group.to_string(), topic.to_string(), partition))
+            .copied())
+    }
+
+    fn add_append_listener(&self, listener: AppendListener) {
+        self.listeners
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(listener);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keyed_records_follow_kafkas_partitioner_and_offsets_grow_per_partition() {
+        let log = MemoryLog::new();
+        log.ensure_topic("t", 8).unwrap();
+        let positions = log
+            .append(
+                "t",
+                vec![
+                    ProducerRecord::keyed("a", "1"),
+                    ProducerRecord::keyed("key", "2"),
+                    ProducerRecord::keyed("a", "3"),
+                ],
+            )
+            .unwrap();
+        // From shared/testdata: "a" → 4 and "key" → 1 among 8 partitions.
+        assert_eq!(
+            positions[0],
+            RecordPosition {
+                partition: 4,
+                offset: 0
+            }
+        );
+        assert_eq!(
+            positions[1],
+            RecordPosition {
+                partition: 1,
+                offset: 0
+            }
+        );
+        assert_eq!(
+            positions[2],
+            RecordPosition {
+                partition: 4,
+                offset: 1
+            }
+        );
+        let mut out = Vec::new();
+        log.read("t", 4, 1, 10, &mut out).unwrap();
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].value, "3");
+        assert_eq!(log.end_offset("t", 4).unwrap(), 2);
+    }
+
+    #[test]
+    fn unkeyed_records_are_spread_and_bad_partitions_reject_the_whole_batch() {
+        let log = MemoryLog::new();
+        log.ensure_topic("t", 4).unwrap();
+        let records = (0..8).map(|i| ProducerRecord {
+            value: format!("{i}").into(),
+            ..Default::default()
+        });
+        let positions = log.append("t", records.collect()).unwrap();
+        for p in 0..4 {
+            assert_eq!(positions.iter().filter(|pos| pos.partition == p).count(), 2);
+        }
+        let bad = vec![
+            ProducerRecord::keyed("x", "1"),
+            ProducerRecord {
+                partition: Some(9),
+                ..Default::default()
+            },
+        ];
+        assert!(matches!(
+            log.append("t", bad),
+            Err(LogError::UnknownPartition { partition: 9, .. })
+        ));
+        let total: u64 = (0..4).map(|p| log.end_offset("t", p).unwrap()).sum();
+        assert_eq!(total, 8, "nothing of the rejected batch was written");
+        assert!(matches!(
+            log.append("nope", vec![]),
+            Err(LogError::UnknownTopic(_))
+        ));
+    }
+
+    #[test]
+    fn commits_are_per_group_and_partition() {
+        let log = MemoryLog::new();
+        log.ensure_topic("t", 2).unwrap();
+        assert_eq!(log.committed("g", "t", 0).unwrap(), None);
+        log.commit("g", "t", 0, 42).unwrap();
+        assert_eq!(log.committed("g", "t", 0).unwrap(), Some(42));
+        assert_eq!(log.committed("h", "t", 0).unwrap(), None);
+        assert!(log.ensure_topic("t", 3).is_err());
+    }
+}

@@ -1,0 +1,123 @@
+//! The source/sink abstraction: partitioned, append-only topics with offsets and
+//! committed offsets per group, behind the `Log` trait. `MemoryLog` is the
+//! embedded implementation; a Kafka implementation satisfies the same trait.
+//! Keys are routed exactly as Kafka's default partitioner (`partitioner`).
+
+mod memory;
+pub mod partitioner;
+
+pub use memory::MemoryLog;
+pub use partitioner::{murmur2, partition_for_key};
+
+use bytes::Bytes;
+use std::sync::Arc;
+
+/// A record as stored in a topic partition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub partition: u32,
+    pub offset: u64,
+    /// Milliseconds since the Unix epoch.
+    pub timestamp_ms: i64,
+    pub key: Option<Bytes>,
+    pub value: Bytes,
+    pub headers: Vec<(String, Bytes)>,
+}
+
+/// A record to append. Without `partition`, a keyed record goes to Kafka's
+/// default partition for its key and an unkeyed one is spread round-robin.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProducerRecord {
+    pub key: Option<Bytes>,
+    pub value: Bytes,
+    pub partition: Option<u32>,
+    /// Milliseconds since the Unix epoch; `None` = append time.
+    pub timestamp_ms: Option<i64>,
+    pub headers: Vec<(String, Bytes)>,
+}
+
+impl ProducerRecord {
+    pub fn keyed(key: impl Into<Bytes>, value: impl Into<Bytes>) -> Self {
+        ProducerRecord {
+            key: Some(key.into()),
+            value: value.into(),
+            ..ProducerRecord::default()
+        }
+    }
+}
+
+/// Where an appended record landed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordPosition {
+    pub partition: u32,
+    pub offset: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LogError {
+    #[error("unknown topic `{0}`")]
+    UnknownTopic(String),
+    #[error("topic `{topic}` has {partitions} partitions; partition {partition} does not exist")]
+    UnknownPartition {
+        topic: String,
+        partition: u32,
+        partitions: u32,
+    },
+    #[error("topic `{topic}` already exists with {existing} partitions, not {requested}")]
+    PartitionCountMismatch {
+        topic: String,
+        existing: u32,
+        requested: u32,
+    },
+    #[error("offset {requested} of {topic}-{partition} is no longer retained (earliest is {earliest})")]
+    OffsetOutOfRange {
+        topic: String,
+        partition: u32,
+        requested: u64,
+        earliest: u64,
+    },
+    #[error("log unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// Called with (topic, partition) after records are appended, so waiting
+/// stream threads wake without polling.
+pub type AppendListener = Arc<dyn Fn(&str, u32) + Send + Sync>;
+
+/// A partitioned log. Implementations are shared by all stream threads.
+pub trait Log: Send + Sync + 'static {
+    /// Creates `topic` with `partitions`, or checks that it has that many.
+    fn ensure_topic(&self, topic: &str, partitions: u32) -> Result<(), LogError>;
+
+    /// Partition count of `topic`.
+    fn partitions(&self, topic: &str) -> Result<u32, LogError>;
+
+    /// Appends records; answers each record's position, in order.
+    fn append(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<Vec<RecordPosition>, LogError>;
+
+    /// Up to `max` records of one partition starting at `offset`, appended to `out`.
+    /// An offset at or past the end yields nothing.
+    fn read(
+        &self,
+        topic: &str,
+        partition: u32,
+        offset: u64,
+        max: usize,
+        out: &mut Vec<Record>,
+    ) -> Result<(), LogError>;
+
+    /// The next offset that will be written.
+    fn end_offset(&self, topic: &str, partition: u32) -> Result<u64, LogError>;
+
+    /// The oldest offset still retained.
+    fn start_offset(&self, topic: &str, partition: u32) -> Result<u64, LogError>;
+
+    /// Records `offset` (the next offset to process) as committed for `group`.
+    fn commit(&self, group: &str, topic: &str, partition: u32, offset: u64) -> Result<(), LogError>;
+
+    /// The committed offset of `group`, if it ever committed.
+    fn committed(&self, group: &str, topic: &str, partition: u32) -> Result<Option<u64>, LogError>;
+
+    /// Registers a listener called after every append.
+    fn add_append_listener(&self, listener: AppendListener);
+}

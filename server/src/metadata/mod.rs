@@ -1,0 +1,189 @@
+//! The metadata model: StreamsMetadata and per-task metadata as Kafka Streams
+//! shows them, record outcomes published in batches (one per completed range),
+//! and the subscriptions that stream them (`subscription`).
+
+mod subscription;
+
+pub use subscription::{EndAt, OutcomeSubscription, StartAt, SubscribeRequest, SubscriptionEvent};
+
+use crate::config::ProcessingOrder;
+use bytes::Bytes;
+use std::sync::Arc;
+
+/// Where an instance can be reached.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostInfo {
+    pub host: String,
+    pub port: u16,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct TopicPartition {
+    pub topic: String,
+    pub partition: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TaskState {
+    Restoring,
+    Running,
+    Suspended,
+}
+
+/// One task's live metadata.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskMetadata {
+    pub task_id: String,
+    pub pipeline: String,
+    pub topic: String,
+    pub partition: u32,
+    pub state: TaskState,
+    pub owner_thread: String,
+    pub helper_threads: Vec<String>,
+    /// The order the task actually runs in (`offset` whenever T = 1).
+    pub processing_order: ProcessingOrder,
+    pub threads_per_task: u32,
+    pub watermark: u64,
+    pub committed_offset: u64,
+    pub end_offset: u64,
+    /// `end_offset - watermark`.
+    pub lag: u64,
+    pub in_flight: u64,
+    pub retry_backlog: u64,
+    pub records_processed: u64,
+    pub records_failed: u64,
+}
+
+/// What one instance hosts, as Kafka Streams' StreamsMetadata, plus its tasks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamsMetadata {
+    pub host_info: HostInfo,
+    pub state_store_names: Vec<String>,
+    pub topic_partitions: Vec<TopicPartition>,
+    pub standby_topic_partitions: Vec<TopicPartition>,
+    pub tasks: Vec<TaskMetadata>,
+}
+
+/// The answer to `process_metadata_for_store`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreMetadata {
+    pub instances: Vec<StreamsMetadata>,
+    pub processing_order: ProcessingOrder,
+    pub threads_per_task: u32,
+    /// Whether results are delivered in offset order per partition.
+    pub in_order: bool,
+}
+
+/// Partition and hosts of one key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyMetadata {
+    pub store: String,
+    pub topic: String,
+    pub partition: u32,
+    pub task_id: String,
+    pub active_host: HostInfo,
+    pub standby_hosts: Vec<HostInfo>,
+}
+
+/// One partition's answer to an interactive query.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionQueryResult {
+    pub partition: u32,
+    /// The task's watermark when the store was read.
+    pub position: u64,
+    pub entries: Vec<(Bytes, Bytes)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ThreadState {
+    /// Working on a task it owns.
+    Owner,
+    /// Lent to another thread's task.
+    Helper,
+    /// Nothing to do.
+    Reserve,
+    /// Finishing its range before it stops.
+    Stopping,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThreadMetadata {
+    pub name: String,
+    pub state: ThreadState,
+    pub owned_tasks: Vec<String>,
+    pub current_task: Option<String>,
+    pub records_processed: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PipelineMetadata {
+    pub name: String,
+    pub source_topic: String,
+    pub partitions: u32,
+    pub processor: String,
+    /// The order the pipeline's tasks run in.
+    pub processing_order: ProcessingOrder,
+    pub threads_per_task: u32,
+    pub store: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AppState {
+    Starting,
+    Running,
+    ShuttingDown,
+    Stopped,
+}
+
+/// Everything `describe` reports about the runtime.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuntimeDescription {
+    pub application_id: String,
+    pub host_info: HostInfo,
+    pub state: AppState,
+    pub num_stream_threads: u32,
+    pub num_reserve_threads: u32,
+    pub threads: Vec<ThreadMetadata>,
+    pub pipelines: Vec<PipelineMetadata>,
+    pub tasks: Vec<TaskMetadata>,
+}
+
+/// The outcome of one record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    Processed,
+    /// The processor failed; the retry topic is the seam for a later stage.
+    Failed,
+    Retrying,
+    DeadLettered,
+}
+
+impl Outcome {
+    /// A final outcome ends a record's life; `Retrying` does not.
+    pub fn is_final(self) -> bool {
+        !matches!(self, Outcome::Retrying)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordOutcome {
+    pub offset: u64,
+    pub key: Option<Bytes>,
+    pub timestamp_ms: i64,
+    pub outcome: Outcome,
+    pub attempts: u32,
+    pub error: Option<Arc<str>>,
+}
+
+/// The records of one completed range, as published to subscribers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutcomeBatch {
+    pub task_id: Arc<str>,
+    pub pipeline: Arc<str>,
+    pub topic: Arc<str>,
+    pub partition: u32,
+    pub thread: Arc<str>,
+    pub first_offset: u64,
+    pub last_offset: u64,
+    pub records: Vec<RecordOutcome>,
+}

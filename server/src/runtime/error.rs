@@ -1,0 +1,94 @@
+//! `RuntimeError`: every way a call into the runtime can fail, in the terms a
+//! caller can act on. The gRPC service maps it to status codes in one place.
+
+use crate::config::{ConfigError, ProcessingOrder};
+use crate::log::LogError;
+use std::time::Duration;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RuntimeError {
+    /// A configuration value is invalid (at start, or a runtime change such as
+    /// removing a thread would make it invalid).
+    #[error(transparent)]
+    InvalidConfig(#[from] ConfigError),
+
+    /// A request argument is malformed: empty name, bad offsets or bounds.
+    #[error("invalid {field}: {message}")]
+    InvalidArgument { field: String, message: String },
+
+    /// Offset order was asked of a store whose tasks cannot guarantee it.
+    #[error(
+        "store `{store}` runs in `{processing_order}` order with {threads_per_task} threads per task, \
+         so results are not in offset order; ask without in_order, or run the pipeline with \
+         processing_order = \"offset\" or num_threads_per_task = 1"
+    )]
+    OrderNotGuaranteed {
+        store: String,
+        processing_order: ProcessingOrder,
+        threads_per_task: u32,
+    },
+
+    #[error("unknown store `{0}`")]
+    UnknownStore(String),
+
+    #[error("unknown topic `{0}`")]
+    UnknownTopic(String),
+
+    /// Temporarily unable to answer (starting, restoring, shutting down); retry after the delay.
+    #[error("unavailable: {reason}")]
+    Unavailable { reason: String, retry_after: Duration },
+
+    /// A stream asked to start before what the server still retains.
+    #[error("offset {requested} of partition {partition} is no longer retained; the earliest is {earliest}")]
+    OffsetOutOfRange {
+        partition: u32,
+        requested: u64,
+        earliest: u64,
+    },
+
+    /// Anything unexpected; the message is for logs, not for clients.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl RuntimeError {
+    pub fn invalid_argument(field: impl Into<String>, message: impl Into<String>) -> Self {
+        RuntimeError::InvalidArgument {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+
+    pub fn shutting_down() -> Self {
+        RuntimeError::Unavailable {
+            reason: "the instance is shutting down".to_string(),
+            retry_after: Duration::from_secs(1),
+        }
+    }
+}
+
+impl From<LogError> for RuntimeError {
+    fn from(error: LogError) -> Self {
+        match error {
+            LogError::UnknownTopic(topic) => RuntimeError::UnknownTopic(topic),
+            LogError::UnknownPartition { .. } => {
+                RuntimeError::invalid_argument("partition", error.to_string())
+            }
+            LogError::PartitionCountMismatch { .. } => RuntimeError::Internal(error.to_string()),
+            LogError::OffsetOutOfRange {
+                partition,
+                requested,
+                earliest,
+                ..
+            } => RuntimeError::OffsetOutOfRange {
+                partition,
+                requested,
+                earliest,
+            },
+            LogError::Unavailable(reason) => RuntimeError::Unavailable {
+                reason,
+                retry_after: Duration::from_millis(500),
+            },
+        }
+    }
+}

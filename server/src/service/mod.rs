@@ -1,0 +1,1 @@
+//! gRPC service (in progress).
