@@ -55,6 +55,17 @@ pub enum CommitMode {
     Async,
 }
 
+/// What happens to a stream subscriber too slow for its bounded buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum SlowSubscriberPolicy {
+    /// Tell it in-band how many batches it missed and go on.
+    #[default]
+    Notify,
+    /// End its stream with RESOURCE_EXHAUSTED.
+    Fail,
+}
+
 /// Latency of the `simulate` processor: a fixed number of milliseconds, or a
 /// `[low, high]` range drawn uniformly per record.
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
@@ -187,6 +198,8 @@ pub struct Config {
     pub outcome_retention_records: usize,
     /// Per subscriber: batches buffered before it is told it lagged.
     pub subscriber_buffer_batches: usize,
+    /// What a subscriber that falls behind its buffer gets.
+    pub slow_subscriber: SlowSubscriberPolicy,
     pub topics: Vec<TopicConfig>,
     pub pipelines: Vec<PipelineConfig>,
 }
@@ -205,6 +218,7 @@ impl Default for Config {
             max_in_flight_records: 10_000,
             outcome_retention_records: 100_000,
             subscriber_buffer_batches: 1024,
+            slow_subscriber: SlowSubscriberPolicy::Notify,
             topics: Vec::new(),
             pipelines: Vec::new(),
         }
