@@ -1,1 +1,162 @@
-//! gRPC service (in progress).
+//! The gRPC service: [`serve`] runs `StreamsService`, `AdminService`,
+//! `grpc.health.v1` and server reflection (v1 and v1alpha) over one `StreamsApp`,
+//! and on shutdown drains the app and commits its watermarks. Handlers are a thin
+//! translation (`request` in, `convert` out); `status::to_status` is the one place
+//! where errors become `Status`. The service knows nothing of threads.
+
+mod admin;
+mod convert;
+mod outcomes;
+mod request;
+mod status;
+mod streams;
+
+pub use admin::AdminHandler;
+pub use outcomes::STREAM_CHANNEL_CAPACITY;
+pub use status::{
+    ERROR_DOMAIN, PRECONDITION_PROCESSING_ORDER, REASON_OFFSET_OUT_OF_RANGE, REASON_SUBSCRIBER_LAGGED,
+    ServiceError, to_status,
+};
+pub use streams::StreamsHandler;
+
+use crate::runtime::{RuntimeError, StreamsApp};
+use std::future::Future;
+use std::pin::pin;
+use std::time::Duration;
+use taskstream::v1::admin_service_server::AdminServiceServer;
+use taskstream::v1::streams_service_server::StreamsServiceServer;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::server::NamedService;
+use tonic::transport::Server;
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
+
+/// How long connections may stay open once the app has shut down. Streams of
+/// record outcomes end by themselves then; what can remain is a client that
+/// stopped reading or a health `Watch`, and neither should hold the exit.
+const CONNECTION_GRACE: Duration = Duration::from_secs(5);
+
+/// Health statuses kept by the server: overall ("") and each served service.
+const HEALTH_SERVICES: [&str; 3] = [
+    "",
+    <StreamsServiceServer<StreamsHandler> as NamedService>::NAME,
+    <AdminServiceServer<AdminHandler> as NamedService>::NAME,
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot build the reflection service: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+
+    #[error("the gRPC server failed: {0}")]
+    Transport(#[from] tonic::transport::Error),
+
+    /// Draining the runtime or committing its watermarks failed.
+    #[error("the runtime did not shut down cleanly: {0}")]
+    Shutdown(RuntimeError),
+}
+
+/// Serves `app` on `listener` until `shutdown` completes, then shuts down
+/// gracefully: health goes NOT_SERVING, the app stops taking work (new calls get
+/// UNAVAILABLE), drains what it has in hand and commits its watermarks, and the
+/// server lets open calls finish (at most a few seconds) before returning.
+///
+/// The app is shut down whenever this returns, also when the server fails.
+pub async fn serve(
+    app: StreamsApp,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    set_health(&health, ServingStatus::Serving).await;
+
+    // Both reflection versions: grpcurl 1.8.6 (PyPI) only speaks v1alpha. The
+    // health and google.rpc descriptors let clients describe health and decode
+    // error details without any .proto at hand.
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(taskstream::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection().build_v1()?;
+    let reflection_v1alpha = reflection().build_v1alpha()?;
+
+    if let Ok(address) = listener.local_addr() {
+        tracing::info!(%address, "serving gRPC");
+    }
+
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let mut server = pin!(
+        Server::builder()
+            .add_service(health_service)
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha)
+            .add_service(StreamsServiceServer::new(StreamsHandler::new(app.clone())))
+            .add_service(AdminServiceServer::new(AdminHandler::new(app.clone())))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+                // A dropped sender stops the server too, which is what an early return wants.
+                let _ = stop_rx.await;
+            })
+    );
+
+    let mut shutdown = pin!(shutdown);
+    tokio::select! {
+        result = &mut server => {
+            // The server stopped without being asked (the listener failed):
+            // still drain the app so no work in hand is lost.
+            tracing::error!("gRPC server stopped unexpectedly; shutting the runtime down");
+            let drained = drain(&app, &health).await;
+            result?;
+            return drained.map_err(ServeError::Shutdown);
+        }
+        () = &mut shutdown => {}
+    }
+
+    // Drain while the server still answers: clients get a retryable UNAVAILABLE
+    // instead of a refused connection, and open outcome streams end with it.
+    tracing::info!("shutting down: draining the runtime and committing watermarks");
+    let drained = {
+        let mut drain = pin!(drain(&app, &health));
+        tokio::select! {
+            drained = &mut drain => drained,
+            result = &mut server => {
+                let drained = drain.await;
+                result?;
+                return drained.map_err(ServeError::Shutdown);
+            }
+        }
+    };
+
+    let _ = stop_tx.send(());
+    match tokio::time::timeout(CONNECTION_GRACE, &mut server).await {
+        Ok(result) => result?,
+        Err(_) => tracing::warn!(
+            grace = ?CONNECTION_GRACE,
+            "connections still open after the grace period; leaving them"
+        ),
+    }
+    drained.map_err(ServeError::Shutdown)
+}
+
+async fn set_health(health: &HealthReporter, status: ServingStatus) {
+    for service in HEALTH_SERVICES {
+        health.set_service_status(service, status).await;
+    }
+}
+
+/// Health NOT_SERVING, stop taking work, then the blocking drain and commit on
+/// a blocking thread so the server keeps answering meanwhile.
+async fn drain(app: &StreamsApp, health: &HealthReporter) -> Result<(), RuntimeError> {
+    set_health(health, ServingStatus::NotServing).await;
+    app.begin_shutdown();
+    let app = app.clone();
+    match tokio::task::spawn_blocking(move || app.shutdown()).await {
+        Ok(result) => result,
+        Err(join_error) => Err(RuntimeError::Internal(format!(
+            "the runtime shutdown task failed: {join_error}"
+        ))),
+    }
+}

@@ -1,0 +1,309 @@
+//! The `taskstream-server` binary: reads the configuration (embedded default or
+//! `--config FILE`, then `TASKSTREAM_*` environment, then flags), binds the
+//! listen address, prints what it serves and runs `service::serve` until SIGINT
+//! or SIGTERM. An invalid configuration exits with code 2.
+
+use anyhow::Context as _;
+use clap::Parser;
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use taskstream_server::config::parse_host_port;
+use taskstream_server::service;
+use taskstream_server::{CommitMode, Config, ConfigError, ProcessingOrder, RuntimeError, StreamsApp};
+use tokio::net::TcpListener;
+use tokio::signal::unix::{SignalKind, signal};
+use tracing_subscriber::EnvFilter;
+
+/// Exit code of a rejected configuration (as clap uses for bad flags).
+const EXIT_INVALID_CONFIG: u8 = 2;
+
+/// taskstream: stream tasks processed by several threads at once, with
+/// interactive queries and record metadata over gRPC.
+///
+/// Settings come from the embedded default (or --config FILE), then the
+/// TASKSTREAM_* environment, then these flags; later sources win.
+#[derive(Debug, Parser)]
+#[command(name = "taskstream-server", version)]
+struct Cli {
+    /// Address to serve gRPC on (host:port; port 0 picks a free port).
+    #[arg(
+        long,
+        env = "TASKSTREAM_LISTEN",
+        default_value = "127.0.0.1:50051",
+        value_name = "ADDR"
+    )]
+    listen: String,
+
+    /// TOML configuration file; without it the embedded default runs
+    /// (topic `events`, 8 partitions; store `counts`; N = 4, T = 2).
+    #[arg(long, env = "TASKSTREAM_CONFIG", value_name = "FILE")]
+    config: Option<PathBuf>,
+
+    #[arg(long, env = "TASKSTREAM_APPLICATION_ID", value_name = "ID")]
+    application_id: Option<String>,
+
+    /// host:port this instance advertises in metadata (default: the bound listen address).
+    #[arg(long, env = "TASKSTREAM_APPLICATION_SERVER", value_name = "HOST:PORT")]
+    application_server: Option<String>,
+
+    /// N: stream threads.
+    #[arg(long, env = "TASKSTREAM_NUM_STREAM_THREADS", value_name = "N")]
+    num_stream_threads: Option<usize>,
+
+    /// T: at most this many threads work on one task at once.
+    #[arg(long, env = "TASKSTREAM_NUM_THREADS_PER_TASK", value_name = "T")]
+    num_threads_per_task: Option<usize>,
+
+    /// offset | key | unordered.
+    #[arg(long, env = "TASKSTREAM_PROCESSING_ORDER", value_name = "ORDER", value_parser = parse_processing_order)]
+    processing_order: Option<ProcessingOrder>,
+
+    #[arg(long, env = "TASKSTREAM_COMMIT_INTERVAL_MS", value_name = "MS")]
+    commit_interval_ms: Option<u64>,
+
+    /// sync | async.
+    #[arg(long, env = "TASKSTREAM_COMMIT_MODE", value_name = "MODE", value_parser = parse_commit_mode)]
+    commit_mode: Option<CommitMode>,
+
+    /// Largest work range one thread takes at once.
+    #[arg(long, env = "TASKSTREAM_MAX_BATCH_RECORDS", value_name = "N")]
+    max_batch_records: Option<usize>,
+
+    /// Per task: records fetched and not yet released.
+    #[arg(long, env = "TASKSTREAM_MAX_IN_FLIGHT_RECORDS", value_name = "N")]
+    max_in_flight_records: Option<usize>,
+}
+
+fn parse_processing_order(text: &str) -> Result<ProcessingOrder, String> {
+    ProcessingOrder::parse(text).ok_or_else(|| "expected one of: offset, key, unordered".to_string())
+}
+
+fn parse_commit_mode(text: &str) -> Result<CommitMode, String> {
+    match text {
+        "sync" => Ok(CommitMode::Sync),
+        "async" => Ok(CommitMode::Async),
+        _ => Err("expected one of: sync, async".to_string()),
+    }
+}
+
+/// The configuration to run, and whether `application_server` was chosen by
+/// the user (otherwise it becomes the bound listen address).
+struct Settings {
+    config: Config,
+    application_server_set: bool,
+    source: String,
+}
+
+fn load_settings(cli: &Cli) -> Result<Settings, ConfigError> {
+    let (mut config, mut application_server_set, source) = match &cli.config {
+        None => (Config::embedded_default(), false, "embedded default".to_string()),
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| ConfigError::new("config", format!("cannot read `{}`: {e}", path.display())))?;
+            let config = Config::from_toml_str(&text).map_err(|e| {
+                ConfigError::new(e.setting, format!("{} (in `{}`)", e.message, path.display()))
+            })?;
+            // `Config` fills missing keys with defaults, so presence is read from the table.
+            let set_in_file = text
+                .parse::<toml::Table>()
+                .map(|table| table.contains_key("application_server"))
+                .unwrap_or(false);
+            (config, set_in_file, path.display().to_string())
+        }
+    };
+    // Environment values arrive through clap (`env = …`), so flags win over them.
+    if let Some(value) = &cli.application_id {
+        config.application_id = value.clone();
+    }
+    if let Some(value) = &cli.application_server {
+        config.application_server = value.clone();
+        application_server_set = true;
+    }
+    if let Some(value) = cli.num_stream_threads {
+        config.num_stream_threads = value;
+    }
+    if let Some(value) = cli.num_threads_per_task {
+        config.num_threads_per_task = value;
+    }
+    if let Some(value) = cli.processing_order {
+        config.processing_order = value;
+    }
+    if let Some(value) = cli.commit_interval_ms {
+        config.commit_interval_ms = value;
+    }
+    if let Some(value) = cli.commit_mode {
+        config.commit_mode = value;
+    }
+    if let Some(value) = cli.max_batch_records {
+        config.max_batch_records = value;
+    }
+    if let Some(value) = cli.max_in_flight_records {
+        config.max_in_flight_records = value;
+    }
+    parse_host_port(&cli.listen).map_err(|m| {
+        ConfigError::new(
+            "listen",
+            format!("{m}; write it as host:port, e.g. 127.0.0.1:50051"),
+        )
+    })?;
+    config.validate()?;
+    Ok(Settings {
+        config,
+        application_server_set,
+        source,
+    })
+}
+
+fn main() -> ExitCode {
+    // Bad flags or environment values: clap prints the error and exits with 2.
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .init();
+
+    let settings = match load_settings(&cli) {
+        Ok(settings) => settings,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return ExitCode::from(EXIT_INVALID_CONFIG);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli.listen, settings)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            // The runtime validates again at start; a config it rejects is still a config error.
+            match error.downcast_ref::<RuntimeError>() {
+                Some(RuntimeError::InvalidConfig(_)) => ExitCode::from(EXIT_INVALID_CONFIG),
+                _ => ExitCode::FAILURE,
+            }
+        }
+    }
+}
+
+async fn run(listen: String, settings: Settings) -> anyhow::Result<()> {
+    let Settings {
+        mut config,
+        application_server_set,
+        source,
+    } = settings;
+    let listener = TcpListener::bind(&listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen}"))?;
+    let address = listener.local_addr().context("cannot read the bound address")?;
+    if !application_server_set {
+        // After binding, so that `--listen 127.0.0.1:0` advertises the real port.
+        config.application_server = address.to_string();
+        if address.ip().is_unspecified() {
+            tracing::warn!(
+                %address,
+                "advertising an unspecified address; set --application-server to a reachable host:port"
+            );
+        }
+    }
+
+    // Handlers first, so a signal right after the "listening" line is not lost.
+    let mut sigterm = signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
+    let mut sigint = signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?;
+    let shutdown = async move {
+        tokio::select! {
+            _ = sigterm.recv() => tracing::info!("SIGTERM received"),
+            _ = sigint.recv() => tracing::info!("SIGINT received"),
+        }
+    };
+
+    let app = StreamsApp::start(config)?;
+    print_banner(&app, address, &source)?;
+
+    service::serve(app, listener, shutdown).await?;
+    println!("taskstream stopped: watermarks committed");
+    std::io::stdout().flush()?;
+    Ok(())
+}
+
+/// What runs and how to reach it, on stdout. The last line is the one scripts
+/// and tests wait for.
+fn print_banner(app: &StreamsApp, address: SocketAddr, source: &str) -> std::io::Result<()> {
+    let config = app.config();
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "taskstream {} — application `{}` ({source})",
+        env!("CARGO_PKG_VERSION"),
+        config.application_id
+    )?;
+    writeln!(
+        out,
+        "  listen:      {address} (advertised as {})",
+        config.application_server
+    )?;
+    writeln!(
+        out,
+        "  threads:     N = {} stream threads, T = {} threads per task, {} order, commit every {} ms ({})",
+        config.num_stream_threads,
+        config.num_threads_per_task,
+        config.processing_order,
+        config.commit_interval_ms,
+        match config.commit_mode {
+            CommitMode::Sync => "sync",
+            CommitMode::Async => "async",
+        }
+    )?;
+    // Validation already checked the topics, so this only fails on a config it rejected.
+    let topics = config.topic_partitions().unwrap_or_default();
+    let topics: Vec<String> = topics
+        .iter()
+        .map(|(name, partitions)| format!("{name} ({partitions} partitions)"))
+        .collect();
+    writeln!(out, "  topics:      {}", topics.join(", "))?;
+    for pipeline in &config.pipelines {
+        let effective = config.effective_order(pipeline);
+        writeln!(
+            out,
+            "  pipeline:    {name}: {topic} → {processor} → store `{name}` (T = {t}, {order} order)",
+            name = pipeline.name,
+            topic = pipeline.source_topic,
+            processor = pipeline.processor.name(),
+            t = effective.threads_per_task,
+            order = effective.order,
+        )?;
+    }
+    let store = config
+        .pipelines
+        .first()
+        .map(|p| p.name.as_str())
+        .unwrap_or("STORE");
+    let topic = config
+        .pipelines
+        .first()
+        .map(|p| p.source_topic.as_str())
+        .unwrap_or("TOPIC");
+    writeln!(out, "try:")?;
+    writeln!(out, "  grpcurl -plaintext {address} list")?;
+    writeln!(
+        out,
+        "  grpcurl -plaintext -d '{{\"store\":\"{store}\",\"in_order\":true}}' {address} \
+         taskstream.v1.StreamsService/ProcessMetadataForStore"
+    )?;
+    writeln!(
+        out,
+        "  echo 'k1:hello' | taskstream --addr http://{address} produce --topic {topic}"
+    )?;
+    writeln!(
+        out,
+        "  taskstream --addr http://{address} metadata --store {store} --in-order"
+    )?;
+    writeln!(out, "  taskstream --addr http://{address} watch --store {store}")?;
+    writeln!(out, "taskstream listening on {address}")?;
+    out.flush()
+}

@@ -1,0 +1,395 @@
+//! Responses out: runtime metadata, query results, produce positions and record
+//! outcomes as proto messages. Pure functions, no I/O; offsets are `u64` in the
+//! runtime and `int64` on the wire (saturating, which no real log reaches).
+
+use crate::config::ProcessingOrder;
+use crate::log::RecordPosition;
+use crate::metadata::{
+    AppState, HostInfo, KeyMetadata, Outcome, OutcomeBatch, PartitionQueryResult, PipelineMetadata,
+    RecordOutcome, RuntimeDescription, StoreMetadata, StreamsMetadata, TaskMetadata, TaskState,
+    ThreadMetadata, ThreadState, TopicPartition,
+};
+use std::collections::BTreeMap;
+use taskstream::v1 as pb;
+
+pub fn offset(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+pub fn processing_order(order: ProcessingOrder) -> pb::ProcessingOrder {
+    match order {
+        ProcessingOrder::Offset => pb::ProcessingOrder::Offset,
+        ProcessingOrder::Key => pb::ProcessingOrder::Key,
+        ProcessingOrder::Unordered => pb::ProcessingOrder::Unordered,
+    }
+}
+
+pub fn host_info(host: &HostInfo) -> pb::HostInfo {
+    pb::HostInfo {
+        host: host.host.clone(),
+        port: u32::from(host.port),
+    }
+}
+
+fn topic_partition(tp: &TopicPartition) -> pb::TopicPartition {
+    pb::TopicPartition {
+        topic: tp.topic.clone(),
+        partition: tp.partition,
+    }
+}
+
+fn task_state(state: TaskState) -> pb::TaskState {
+    match state {
+        TaskState::Restoring => pb::TaskState::Restoring,
+        TaskState::Running => pb::TaskState::Running,
+        TaskState::Suspended => pb::TaskState::Suspended,
+    }
+}
+
+pub fn task_metadata(task: &TaskMetadata) -> pb::TaskMetadata {
+    pb::TaskMetadata {
+        task_id: task.task_id.clone(),
+        pipeline: task.pipeline.clone(),
+        topic: task.topic.clone(),
+        partition: task.partition,
+        state: task_state(task.state) as i32,
+        owner_thread: task.owner_thread.clone(),
+        helper_threads: task.helper_threads.clone(),
+        processing_order: processing_order(task.processing_order) as i32,
+        threads_per_task: task.threads_per_task,
+        watermark: offset(task.watermark),
+        committed_offset: offset(task.committed_offset),
+        end_offset: offset(task.end_offset),
+        lag: offset(task.lag),
+        in_flight: task.in_flight,
+        retry_backlog: task.retry_backlog,
+        records_processed: task.records_processed,
+        records_failed: task.records_failed,
+    }
+}
+
+fn streams_metadata(instance: &StreamsMetadata) -> pb::StreamsMetadata {
+    pb::StreamsMetadata {
+        host_info: Some(host_info(&instance.host_info)),
+        state_store_names: instance.state_store_names.clone(),
+        topic_partitions: instance.topic_partitions.iter().map(topic_partition).collect(),
+        standby_topic_partitions: instance
+            .standby_topic_partitions
+            .iter()
+            .map(topic_partition)
+            .collect(),
+        tasks: instance.tasks.iter().map(task_metadata).collect(),
+    }
+}
+
+pub fn store_metadata(store: &StoreMetadata) -> pb::ProcessMetadataForStoreResponse {
+    pb::ProcessMetadataForStoreResponse {
+        metadata: store.instances.iter().map(streams_metadata).collect(),
+        processing_order: processing_order(store.processing_order) as i32,
+        threads_per_task: store.threads_per_task,
+        in_order: store.in_order,
+    }
+}
+
+pub fn key_metadata(key: &KeyMetadata) -> pb::MetadataForKeyResponse {
+    pb::MetadataForKeyResponse {
+        store: key.store.clone(),
+        topic: key.topic.clone(),
+        partition: key.partition,
+        task_id: key.task_id.clone(),
+        active_host: Some(host_info(&key.active_host)),
+        standby_hosts: key.standby_hosts.iter().map(host_info).collect(),
+    }
+}
+
+pub fn partition_result(result: PartitionQueryResult) -> pb::PartitionResult {
+    pb::PartitionResult {
+        partition: result.partition,
+        position: offset(result.position),
+        entries: result
+            .entries
+            .into_iter()
+            .map(|(key, value)| pb::KeyValue { key, value })
+            .collect(),
+    }
+}
+
+/// Per-partition first/last offset and count of appended records. Kept as a
+/// running summary so ProduceStream needs no memory per record.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct PartitionRanges {
+    ranges: BTreeMap<u32, (u64, u64, u64)>,
+    records: u64,
+}
+
+impl PartitionRanges {
+    pub fn add(&mut self, positions: &[RecordPosition]) {
+        for position in positions {
+            self.records += 1;
+            self.ranges
+                .entry(position.partition)
+                .and_modify(|(first, last, count)| {
+                    *first = (*first).min(position.offset);
+                    *last = (*last).max(position.offset);
+                    *count += 1;
+                })
+                .or_insert((position.offset, position.offset, 1));
+        }
+    }
+
+    pub fn record_count(&self) -> u64 {
+        self.records
+    }
+
+    pub fn to_proto(&self) -> Vec<pb::PartitionRange> {
+        self.ranges
+            .iter()
+            .map(|(&partition, &(first, last, count))| pb::PartitionRange {
+                partition,
+                first_offset: offset(first),
+                last_offset: offset(last),
+                count,
+            })
+            .collect()
+    }
+}
+
+pub fn record_position(position: &RecordPosition) -> pb::RecordPosition {
+    pb::RecordPosition {
+        partition: position.partition,
+        offset: offset(position.offset),
+    }
+}
+
+fn thread_state(state: ThreadState) -> pb::ThreadState {
+    match state {
+        ThreadState::Owner => pb::ThreadState::Owner,
+        ThreadState::Helper => pb::ThreadState::Helper,
+        ThreadState::Reserve => pb::ThreadState::Reserve,
+        ThreadState::Stopping => pb::ThreadState::Stopping,
+    }
+}
+
+fn service_state(state: AppState) -> pb::ServiceState {
+    match state {
+        AppState::Starting => pb::ServiceState::Starting,
+        AppState::Running => pb::ServiceState::Running,
+        // The contract has no STOPPED: a stopped instance that still answers
+        // is, for a client, one that is going away.
+        AppState::ShuttingDown | AppState::Stopped => pb::ServiceState::ShuttingDown,
+    }
+}
+
+fn thread_metadata(thread: &ThreadMetadata) -> pb::ThreadMetadata {
+    pb::ThreadMetadata {
+        name: thread.name.clone(),
+        state: thread_state(thread.state) as i32,
+        owned_tasks: thread.owned_tasks.clone(),
+        current_task: thread.current_task.clone().unwrap_or_default(),
+        records_processed: thread.records_processed,
+    }
+}
+
+fn pipeline_metadata(pipeline: &PipelineMetadata) -> pb::PipelineMetadata {
+    pb::PipelineMetadata {
+        name: pipeline.name.clone(),
+        source_topic: pipeline.source_topic.clone(),
+        partitions: pipeline.partitions,
+        processor: pipeline.processor.clone(),
+        processing_order: processing_order(pipeline.processing_order) as i32,
+        threads_per_task: pipeline.threads_per_task,
+        store: pipeline.store.clone(),
+    }
+}
+
+pub fn runtime_description(description: &RuntimeDescription) -> pb::DescribeRuntimeResponse {
+    pb::DescribeRuntimeResponse {
+        application_id: description.application_id.clone(),
+        host_info: Some(host_info(&description.host_info)),
+        state: service_state(description.state) as i32,
+        num_stream_threads: description.num_stream_threads,
+        num_reserve_threads: description.num_reserve_threads,
+        threads: description.threads.iter().map(thread_metadata).collect(),
+        pipelines: description.pipelines.iter().map(pipeline_metadata).collect(),
+        tasks: description.tasks.iter().map(task_metadata).collect(),
+    }
+}
+
+fn record_outcome(outcome: Outcome) -> pb::RecordOutcome {
+    match outcome {
+        Outcome::Processed => pb::RecordOutcome::Processed,
+        Outcome::Failed => pb::RecordOutcome::Failed,
+        Outcome::Retrying => pb::RecordOutcome::Retrying,
+        Outcome::DeadLettered => pb::RecordOutcome::DeadLettered,
+    }
+}
+
+fn record_metadata(record: &RecordOutcome) -> pb::RecordMetadata {
+    pb::RecordMetadata {
+        offset: offset(record.offset),
+        key: record.key.clone(),
+        timestamp_ms: record.timestamp_ms,
+        outcome: record_outcome(record.outcome) as i32,
+        attempts: record.attempts,
+        error: record.error.as_deref().unwrap_or_default().to_string(),
+    }
+}
+
+/// One completed range as stream messages: one message, or with
+/// `max_records > 0` several of at most that many records. The chunks tile the
+/// batch's range: the first starts at the batch's first offset, the last ends
+/// at its last offset, and each one between spans exactly its own records.
+pub fn metadata_batches(batch: &OutcomeBatch, max_records: usize) -> Vec<pb::MetadataBatch> {
+    let message = |first_offset: u64, last_offset: u64, records: &[RecordOutcome]| pb::MetadataBatch {
+        task_id: batch.task_id.to_string(),
+        // A pipeline's store has the pipeline's name.
+        store: batch.pipeline.to_string(),
+        topic: batch.topic.to_string(),
+        partition: batch.partition,
+        thread: batch.thread.to_string(),
+        first_offset: offset(first_offset),
+        last_offset: offset(last_offset),
+        records: records.iter().map(record_metadata).collect(),
+    };
+    if max_records == 0 || batch.records.len() <= max_records {
+        return vec![message(batch.first_offset, batch.last_offset, &batch.records)];
+    }
+    let chunks: Vec<&[RecordOutcome]> = batch.records.chunks(max_records).collect();
+    let last_chunk = chunks.len() - 1;
+    chunks
+        .iter()
+        .enumerate()
+        .map(|(i, chunk)| {
+            let lowest = chunk.iter().map(|r| r.offset).min().unwrap_or(batch.first_offset);
+            let highest = chunk.iter().map(|r| r.offset).max().unwrap_or(batch.last_offset);
+            let first = if i == 0 {
+                batch.first_offset.min(lowest)
+            } else {
+                lowest
+            };
+            let last = if i == last_chunk {
+                batch.last_offset.max(highest)
+            } else {
+                highest
+            };
+            message(first, last, chunk)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use std::sync::Arc;
+
+    fn batch(first: u64, last: u64) -> OutcomeBatch {
+        OutcomeBatch {
+            task_id: Arc::from("counts_2"),
+            pipeline: Arc::from("counts"),
+            topic: Arc::from("events"),
+            partition: 2,
+            thread: Arc::from("stream-thread-1"),
+            first_offset: first,
+            last_offset: last,
+            records: (first..=last)
+                .map(|offset| RecordOutcome {
+                    offset,
+                    key: (offset % 2 == 0).then(|| Bytes::from(format!("k{offset}"))),
+                    timestamp_ms: 1_000 + offset as i64,
+                    outcome: if offset == first + 1 {
+                        Outcome::DeadLettered
+                    } else {
+                        Outcome::Processed
+                    },
+                    attempts: 1,
+                    error: (offset == first + 1).then(|| Arc::from("boom")),
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_batch_is_one_message_when_small_enough_or_unlimited() {
+        let source = batch(10, 14);
+        for max in [0, 5, 100] {
+            let messages = metadata_batches(&source, max);
+            assert_eq!(messages.len(), 1, "max = {max}");
+            let message = &messages[0];
+            assert_eq!(
+                (message.first_offset, message.last_offset, message.records.len()),
+                (10, 14, 5)
+            );
+            assert_eq!(message.task_id, "counts_2");
+            assert_eq!(message.store, "counts");
+            assert_eq!(message.topic, "events");
+            assert_eq!(message.partition, 2);
+            assert_eq!(message.thread, "stream-thread-1");
+        }
+    }
+
+    #[test]
+    fn a_large_batch_splits_into_chunks_with_their_own_offsets() {
+        let messages = metadata_batches(&batch(10, 19), 4);
+        let ranges: Vec<_> = messages
+            .iter()
+            .map(|m| (m.first_offset, m.last_offset, m.records.len()))
+            .collect();
+        assert_eq!(ranges, vec![(10, 13, 4), (14, 17, 4), (18, 19, 2)]);
+        let offsets: Vec<i64> = messages
+            .iter()
+            .flat_map(|m| m.records.iter().map(|r| r.offset))
+            .collect();
+        assert_eq!(offsets, (10..=19).collect::<Vec<i64>>());
+        assert!(
+            messages
+                .iter()
+                .all(|m| m.task_id == "counts_2" && m.thread == "stream-thread-1")
+        );
+    }
+
+    #[test]
+    fn record_fields_survive() {
+        let message = &metadata_batches(&batch(10, 11), 0)[0];
+        let ok = &message.records[0];
+        assert_eq!(ok.key.as_deref(), Some(&b"k10"[..]));
+        assert_eq!(ok.outcome, pb::RecordOutcome::Processed as i32);
+        assert_eq!((ok.timestamp_ms, ok.attempts, ok.error.as_str()), (1_010, 1, ""));
+        let dead = &message.records[1];
+        assert_eq!(dead.key, None);
+        assert_eq!(dead.outcome, pb::RecordOutcome::DeadLettered as i32);
+        assert_eq!(dead.error, "boom");
+    }
+
+    #[test]
+    fn partition_ranges_summarise_positions() {
+        let mut ranges = PartitionRanges::default();
+        let at = |partition, offset| RecordPosition { partition, offset };
+        ranges.add(&[at(1, 5), at(0, 0), at(1, 6)]);
+        ranges.add(&[at(1, 7), at(0, 1)]);
+        assert_eq!(ranges.record_count(), 5);
+        assert_eq!(
+            ranges.to_proto(),
+            vec![
+                pb::PartitionRange {
+                    partition: 0,
+                    first_offset: 0,
+                    last_offset: 1,
+                    count: 2
+                },
+                pb::PartitionRange {
+                    partition: 1,
+                    first_offset: 5,
+                    last_offset: 7,
+                    count: 3
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn offsets_saturate_instead_of_wrapping() {
+        assert_eq!(offset(7), 7);
+        assert_eq!(offset(u64::MAX), i64::MAX);
+    }
+}

@@ -1,0 +1,503 @@
+//! Requests in: checks what the service can judge without the runtime (empty or
+//! malformed names, keys, offsets, bounds, enum values) and turns proto requests
+//! into runtime arguments. Every rejection is `RuntimeError::InvalidArgument`
+//! naming the request field, so it reaches the client as a BadRequest violation.
+
+use crate::log::ProducerRecord;
+use crate::metadata::{EndAt, StartAt, SubscribeRequest};
+use crate::runtime::RuntimeError;
+use std::collections::{BTreeMap, HashMap};
+use taskstream::v1 as pb;
+
+/// Longest store or topic name; the config accepts no longer names either.
+const MAX_NAME_LEN: usize = 200;
+
+/// Store and topic names follow the config's rule (they end up in task ids and
+/// topic names), so a name the config could never accept is malformed, not unknown.
+pub fn check_name(field: &str, name: &str) -> Result<(), RuntimeError> {
+    if name.is_empty() {
+        return Err(RuntimeError::invalid_argument(field, "must not be empty"));
+    }
+    if name.len() > MAX_NAME_LEN
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+    {
+        return Err(RuntimeError::invalid_argument(
+            field,
+            format!(
+                "`{}` is not a valid name: use letters, digits, `.`, `_` and `-` (at most {MAX_NAME_LEN})",
+                name.escape_debug()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+pub fn check_store(store: &str) -> Result<(), RuntimeError> {
+    check_name("store", store)
+}
+
+pub fn check_key(field: &str, key: &[u8]) -> Result<(), RuntimeError> {
+    if key.is_empty() {
+        return Err(RuntimeError::invalid_argument(field, "must not be empty"));
+    }
+    Ok(())
+}
+
+/// A GetMetadataAsync request as the runtime and the stream pump need it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetadataStream {
+    pub store: String,
+    pub subscribe: SubscribeRequest,
+    /// At most this many records per streamed message (0 = one message per batch).
+    pub max_batch_records: usize,
+}
+
+pub fn metadata_stream(request: pb::GetMetadataAsyncRequest) -> Result<MetadataStream, RuntimeError> {
+    check_store(&request.store)?;
+    let start = match pb::StartPosition::try_from(request.start) {
+        Ok(pb::StartPosition::Unspecified | pb::StartPosition::Latest) => {
+            no_offsets_without_position("start_offsets", "START_POSITION_OFFSETS", &request.start_offsets)?;
+            StartAt::Latest
+        }
+        Ok(pb::StartPosition::Earliest) => {
+            no_offsets_without_position("start_offsets", "START_POSITION_OFFSETS", &request.start_offsets)?;
+            StartAt::Earliest
+        }
+        Ok(pb::StartPosition::Offsets) => StartAt::Offsets(offsets(
+            "start_offsets",
+            "START_POSITION_OFFSETS",
+            &request.start_offsets,
+        )?),
+        Err(_) => return Err(unknown_enum_value("start", request.start)),
+    };
+    let end = match pb::EndPosition::try_from(request.end) {
+        Ok(pb::EndPosition::Unspecified | pb::EndPosition::Open) => {
+            no_offsets_without_position("end_offsets", "END_POSITION_OFFSETS", &request.end_offsets)?;
+            EndAt::Open
+        }
+        Ok(pb::EndPosition::Current) => {
+            no_offsets_without_position("end_offsets", "END_POSITION_OFFSETS", &request.end_offsets)?;
+            EndAt::Current
+        }
+        Ok(pb::EndPosition::Offsets) => EndAt::Offsets(offsets(
+            "end_offsets",
+            "END_POSITION_OFFSETS",
+            &request.end_offsets,
+        )?),
+        Err(_) => return Err(unknown_enum_value("end", request.end)),
+    };
+    Ok(MetadataStream {
+        store: request.store,
+        subscribe: SubscribeRequest {
+            in_order: request.in_order,
+            start,
+            end,
+            partitions: request.partitions,
+        },
+        max_batch_records: request.max_batch_records as usize,
+    })
+}
+
+fn unknown_enum_value(field: &str, value: i32) -> RuntimeError {
+    RuntimeError::invalid_argument(field, format!("{value} is not a known value"))
+}
+
+/// Offsets given with a position that ignores them are most likely a client
+/// mistake (a forgotten `start: START_POSITION_OFFSETS`); silently streaming
+/// from somewhere else would hide it.
+fn no_offsets_without_position(
+    field: &str,
+    position: &str,
+    offsets: &HashMap<u32, i64>,
+) -> Result<(), RuntimeError> {
+    if offsets.is_empty() {
+        Ok(())
+    } else {
+        Err(RuntimeError::invalid_argument(
+            field,
+            format!("offsets are only read with {position}; set it, or leave {field} empty"),
+        ))
+    }
+}
+
+fn offsets(
+    field: &str,
+    position: &str,
+    offsets: &HashMap<u32, i64>,
+) -> Result<BTreeMap<u32, u64>, RuntimeError> {
+    if offsets.is_empty() {
+        return Err(RuntimeError::invalid_argument(
+            field,
+            format!("{position} needs at least one partition → offset entry"),
+        ));
+    }
+    // Sorted, so that with several bad entries the reported one is stable.
+    let sorted: BTreeMap<u32, i64> = offsets.iter().map(|(&p, &o)| (p, o)).collect();
+    sorted
+        .into_iter()
+        .map(|(partition, offset)| {
+            u64::try_from(offset)
+                .map(|offset| (partition, offset))
+                .map_err(|_| {
+                    RuntimeError::invalid_argument(
+                        format!("{field}[{partition}]"),
+                        format!("offset {offset} is negative; offsets start at 0"),
+                    )
+                })
+        })
+        .collect()
+}
+
+/// What a Query asks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreQuery {
+    Key(bytes::Bytes),
+    Range {
+        from: Option<bytes::Bytes>,
+        to: Option<bytes::Bytes>,
+        partitions: Vec<u32>,
+        /// 0 = no limit.
+        limit: usize,
+    },
+}
+
+pub fn store_query(request: pb::QueryRequest) -> Result<(String, StoreQuery), RuntimeError> {
+    check_store(&request.store)?;
+    let query = match request.query {
+        None => {
+            return Err(RuntimeError::invalid_argument(
+                "query",
+                "ask for a key or a range (set `key` or `range`)",
+            ));
+        }
+        // A key lives in exactly one partition, so `partitions` and `limit`
+        // have nothing to narrow for a key query.
+        Some(pb::query_request::Query::Key(key)) => {
+            check_key("key.key", &key.key)?;
+            StoreQuery::Key(key.key)
+        }
+        Some(pb::query_request::Query::Range(range)) => {
+            if let (Some(from), Some(to)) = (&range.from, &range.to)
+                && from > to
+            {
+                return Err(RuntimeError::invalid_argument(
+                    "range",
+                    "`from` is greater than `to`; bounds are inclusive and `from` must not exceed `to`",
+                ));
+            }
+            StoreQuery::Range {
+                from: range.from,
+                to: range.to,
+                partitions: request.partitions,
+                limit: request.limit as usize,
+            }
+        }
+    };
+    Ok((request.store, query))
+}
+
+/// Checks the topic and turns each proto record into a runtime record.
+pub fn produce_batch(request: pb::ProduceRequest) -> Result<(String, Vec<ProducerRecord>), RuntimeError> {
+    check_name("topic", &request.topic)?;
+    let records = request
+        .records
+        .into_iter()
+        .enumerate()
+        .map(|(i, record)| producer_record(i, record))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((request.topic, records))
+}
+
+fn producer_record(index: usize, record: pb::ProducerRecord) -> Result<ProducerRecord, RuntimeError> {
+    let timestamp_ms = match record.timestamp_ms {
+        0 => None,
+        t if t < 0 => {
+            return Err(RuntimeError::invalid_argument(
+                format!("records[{index}].timestamp_ms"),
+                format!("{t} is negative; use milliseconds since the Unix epoch, or 0 for append time"),
+            ));
+        }
+        t => Some(t),
+    };
+    let mut headers: Vec<(String, bytes::Bytes)> = record.headers.into_iter().collect();
+    // A proto map has no order; sorting keeps stored records reproducible.
+    headers.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(ProducerRecord {
+        key: record.key,
+        value: record.value,
+        partition: record.partition,
+        timestamp_ms,
+        headers,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn field_of(error: RuntimeError) -> String {
+        match error {
+            RuntimeError::InvalidArgument { field, .. } => field,
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+    }
+
+    fn stream_request() -> pb::GetMetadataAsyncRequest {
+        pb::GetMetadataAsyncRequest {
+            store: "counts".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn unspecified_positions_mean_latest_and_open() {
+        let stream = metadata_stream(pb::GetMetadataAsyncRequest {
+            in_order: true,
+            max_batch_records: 10,
+            partitions: vec![1, 2],
+            ..stream_request()
+        })
+        .unwrap();
+        assert_eq!(stream.store, "counts");
+        assert_eq!(stream.max_batch_records, 10);
+        assert_eq!(
+            stream.subscribe,
+            SubscribeRequest {
+                in_order: true,
+                start: StartAt::Latest,
+                end: EndAt::Open,
+                partitions: vec![1, 2],
+            }
+        );
+    }
+
+    #[test]
+    fn explicit_positions_and_offsets_translate() {
+        let stream = metadata_stream(pb::GetMetadataAsyncRequest {
+            start: pb::StartPosition::Offsets as i32,
+            start_offsets: HashMap::from([(0, 5), (3, 0)]),
+            end: pb::EndPosition::Offsets as i32,
+            end_offsets: HashMap::from([(0, 50), (3, 7)]),
+            ..stream_request()
+        })
+        .unwrap();
+        assert_eq!(
+            stream.subscribe.start,
+            StartAt::Offsets(BTreeMap::from([(0, 5), (3, 0)]))
+        );
+        assert_eq!(
+            stream.subscribe.end,
+            EndAt::Offsets(BTreeMap::from([(0, 50), (3, 7)]))
+        );
+
+        let stream = metadata_stream(pb::GetMetadataAsyncRequest {
+            start: pb::StartPosition::Earliest as i32,
+            end: pb::EndPosition::Current as i32,
+            ..stream_request()
+        })
+        .unwrap();
+        assert_eq!(stream.subscribe.start, StartAt::Earliest);
+        assert_eq!(stream.subscribe.end, EndAt::Current);
+    }
+
+    #[test]
+    fn empty_or_malformed_store_is_rejected_on_store() {
+        for store in ["", "has space", "slash/ed"] {
+            let error = metadata_stream(pb::GetMetadataAsyncRequest {
+                store: store.into(),
+                ..Default::default()
+            })
+            .unwrap_err();
+            assert_eq!(field_of(error), "store", "{store:?}");
+        }
+        assert_eq!(field_of(check_store(&"x".repeat(201)).unwrap_err()), "store");
+        check_store("my-app.counts_v2").unwrap();
+    }
+
+    #[test]
+    fn negative_offsets_are_rejected_with_their_partition() {
+        let error = metadata_stream(pb::GetMetadataAsyncRequest {
+            start: pb::StartPosition::Offsets as i32,
+            start_offsets: HashMap::from([(2, 0), (4, -1)]),
+            ..stream_request()
+        })
+        .unwrap_err();
+        assert_eq!(field_of(error), "start_offsets[4]");
+
+        let error = metadata_stream(pb::GetMetadataAsyncRequest {
+            end: pb::EndPosition::Offsets as i32,
+            end_offsets: HashMap::from([(1, -10)]),
+            ..stream_request()
+        })
+        .unwrap_err();
+        assert_eq!(field_of(error), "end_offsets[1]");
+    }
+
+    #[test]
+    fn offsets_position_needs_offsets_and_offsets_need_the_position() {
+        let error = metadata_stream(pb::GetMetadataAsyncRequest {
+            start: pb::StartPosition::Offsets as i32,
+            ..stream_request()
+        })
+        .unwrap_err();
+        assert_eq!(field_of(error), "start_offsets");
+
+        let error = metadata_stream(pb::GetMetadataAsyncRequest {
+            start_offsets: HashMap::from([(0, 1)]),
+            ..stream_request()
+        })
+        .unwrap_err();
+        assert_eq!(field_of(error), "start_offsets");
+
+        let error = metadata_stream(pb::GetMetadataAsyncRequest {
+            end: pb::EndPosition::Offsets as i32,
+            ..stream_request()
+        })
+        .unwrap_err();
+        assert_eq!(field_of(error), "end_offsets");
+
+        let error = metadata_stream(pb::GetMetadataAsyncRequest {
+            end: pb::EndPosition::Current as i32,
+            end_offsets: HashMap::from([(0, 1)]),
+            ..stream_request()
+        })
+        .unwrap_err();
+        assert_eq!(field_of(error), "end_offsets");
+    }
+
+    #[test]
+    fn unknown_enum_values_are_rejected() {
+        let error = metadata_stream(pb::GetMetadataAsyncRequest {
+            start: 42,
+            ..stream_request()
+        })
+        .unwrap_err();
+        assert_eq!(field_of(error), "start");
+        let error = metadata_stream(pb::GetMetadataAsyncRequest {
+            end: -1,
+            ..stream_request()
+        })
+        .unwrap_err();
+        assert_eq!(field_of(error), "end");
+    }
+
+    #[test]
+    fn query_needs_a_key_or_a_range() {
+        let request = pb::QueryRequest {
+            store: "counts".into(),
+            ..Default::default()
+        };
+        assert_eq!(field_of(store_query(request.clone()).unwrap_err()), "query");
+
+        let key = |key: &'static [u8]| pb::QueryRequest {
+            query: Some(pb::query_request::Query::Key(pb::KeyQuery {
+                key: Bytes::from_static(key),
+            })),
+            ..request.clone()
+        };
+        assert_eq!(field_of(store_query(key(b"")).unwrap_err()), "key.key");
+        assert_eq!(
+            store_query(key(b"k1")).unwrap(),
+            ("counts".to_string(), StoreQuery::Key(Bytes::from_static(b"k1")))
+        );
+
+        let range = |from: Option<&'static [u8]>, to: Option<&'static [u8]>| pb::QueryRequest {
+            query: Some(pb::query_request::Query::Range(pb::RangeQuery {
+                from: from.map(Bytes::from_static),
+                to: to.map(Bytes::from_static),
+            })),
+            partitions: vec![1],
+            limit: 5,
+            ..request.clone()
+        };
+        assert_eq!(
+            field_of(store_query(range(Some(b"b"), Some(b"a"))).unwrap_err()),
+            "range"
+        );
+        assert_eq!(
+            store_query(range(None, Some(b"m"))).unwrap().1,
+            StoreQuery::Range {
+                from: None,
+                to: Some(Bytes::from_static(b"m")),
+                partitions: vec![1],
+                limit: 5,
+            }
+        );
+
+        let error = store_query(pb::QueryRequest {
+            store: String::new(),
+            ..key(b"k")
+        })
+        .unwrap_err();
+        assert_eq!(field_of(error), "store");
+    }
+
+    #[test]
+    fn key_must_not_be_empty() {
+        assert_eq!(field_of(check_key("key", b"").unwrap_err()), "key");
+        check_key("key", b"k").unwrap();
+    }
+
+    #[test]
+    fn produce_checks_topic_and_timestamps() {
+        let error = produce_batch(pb::ProduceRequest::default()).unwrap_err();
+        assert_eq!(field_of(error), "topic");
+
+        let error = produce_batch(pb::ProduceRequest {
+            topic: "events".into(),
+            records: vec![
+                pb::ProducerRecord::default(),
+                pb::ProducerRecord {
+                    timestamp_ms: -5,
+                    ..Default::default()
+                },
+            ],
+        })
+        .unwrap_err();
+        assert_eq!(field_of(error), "records[1].timestamp_ms");
+
+        let (topic, records) = produce_batch(pb::ProduceRequest {
+            topic: "events".into(),
+            records: vec![
+                pb::ProducerRecord {
+                    key: Some(Bytes::from_static(b"k")),
+                    value: Bytes::from_static(b"v"),
+                    partition: Some(3),
+                    timestamp_ms: 1_700_000_000_000,
+                    headers: HashMap::from([
+                        ("b".to_string(), Bytes::from_static(b"2")),
+                        ("a".to_string(), Bytes::from_static(b"1")),
+                    ]),
+                },
+                pb::ProducerRecord {
+                    value: Bytes::from_static(b"w"),
+                    ..Default::default()
+                },
+            ],
+        })
+        .unwrap();
+        assert_eq!(topic, "events");
+        assert_eq!(
+            records,
+            vec![
+                ProducerRecord {
+                    key: Some(Bytes::from_static(b"k")),
+                    value: Bytes::from_static(b"v"),
+                    partition: Some(3),
+                    timestamp_ms: Some(1_700_000_000_000),
+                    headers: vec![
+                        ("a".to_string(), Bytes::from_static(b"1")),
+                        ("b".to_string(), Bytes::from_static(b"2")),
+                    ],
+                },
+                ProducerRecord {
+                    value: Bytes::from_static(b"w"),
+                    ..Default::default()
+                },
+            ]
+        );
+    }
+}
