@@ -1,1 +1,40 @@
+//! Typed Rust client of taskstream, and the `taskstream` CLI (`src/main.rs`).
+//!
+//! Layout: `client` ([`StreamsClient`]: connection and one method per RPC),
+//! `callback` ([`RecordCallback`], [`MetadataHandle`]: `GetMetadataAsync` as
+//! callbacks), `metadata` ([`MetadataOptions`] and the [`MetadataBatch`]
+//! callbacks receive), `error` ([`ClientError`], mapped from status codes).
+//! Everything public is re-exported here; the generated types are
+//! [`taskstream::v1`], re-exported as [`v1`].
+//!
+//! ```no_run
+//! use taskstream_client::{MetadataOptions, StreamsClient, keyed_record};
+//!
+//! # async fn example() -> Result<(), taskstream_client::ClientError> {
+//! let client = StreamsClient::connect("127.0.0.1:50051").await?;
+//! client.produce("events", vec![keyed_record("user-1", "click")]).await?;
+//! let handle = client.get_metadata_async(
+//!     "counts",
+//!     MetadataOptions::bounded().in_order(true),
+//!     |result: Result<taskstream_client::MetadataBatch, _>| match result {
+//!         Ok(batch) => println!("{} records completed", batch.len()),
+//!         Err(error) => eprintln!("{error}"),
+//!     },
+//! );
+//! handle.join().await; // the bounded stream completes by itself
+//! # Ok(())
+//! # }
+//! ```
 
+mod callback;
+mod client;
+mod error;
+mod metadata;
+#[cfg(test)]
+mod test_server;
+
+pub use callback::{MetadataHandle, RecordCallback};
+pub use client::{StreamsClient, keyed_record, unkeyed_record};
+pub use error::{ClientError, FieldViolation, PreconditionViolation};
+pub use metadata::{CompletedRange, End, MetadataBatch, MetadataOptions, RecordMetadata, Start};
+pub use taskstream::v1;
