@@ -4,6 +4,7 @@
 
 mod subscription;
 
+pub(crate) use subscription::PartitionRange;
 pub use subscription::{EndAt, OutcomeSubscription, StartAt, SubscribeRequest, SubscriptionEvent};
 
 use crate::config::ProcessingOrder;

@@ -4,8 +4,10 @@
 
 use super::OutcomeBatch;
 use crate::runtime::RuntimeError;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::broadcast;
 
 /// Where a subscription starts, per partition.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -50,17 +52,162 @@ pub enum SubscriptionEvent {
     },
 }
 
+/// The offsets `[start, end)` streamed from one partition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PartitionRange {
+    pub(crate) partition: u32,
+    pub(crate) start: u64,
+    pub(crate) end: Option<u64>,
+}
+
+struct Tracked {
+    range: PartitionRange,
+    /// Bounded: records in range still without a final outcome delivered.
+    remaining: u64,
+}
+
+type WatermarkProbe = Box<dyn Fn(u32) -> Option<u64> + Send + Sync>;
+
 /// A live feed of outcome batches. Drop it to unsubscribe.
 pub struct OutcomeSubscription {
-    _private: (),
+    tracked: Vec<Tracked>,
+    replay: VecDeque<Arc<OutcomeBatch>>,
+    receiver: broadcast::Receiver<Arc<OutcomeBatch>>,
+    bounded: bool,
+    /// After a lag, counts can no longer reach zero: completion falls back to watermarks.
+    lagged: bool,
+    finished: bool,
+    watermark_of: WatermarkProbe,
 }
 
 impl OutcomeSubscription {
+    pub(crate) fn new(
+        ranges: Vec<PartitionRange>,
+        history: Vec<Arc<OutcomeBatch>>,
+        receiver: broadcast::Receiver<Arc<OutcomeBatch>>,
+        watermark_of: WatermarkProbe,
+    ) -> Self {
+        let bounded = !ranges.is_empty() && ranges.iter().all(|r| r.end.is_some());
+        let mut subscription = OutcomeSubscription {
+            tracked: ranges
+                .into_iter()
+                .map(|range| Tracked {
+                    range,
+                    remaining: range.end.map_or(u64::MAX, |end| end.saturating_sub(range.start)),
+                })
+                .collect(),
+            replay: VecDeque::new(),
+            receiver,
+            bounded,
+            lagged: false,
+            finished: false,
+            watermark_of,
+        };
+        subscription.replay = history
+            .into_iter()
+            .filter_map(|b| subscription.filter(b))
+            .collect();
+        subscription
+    }
+
+    /// The partitions this subscription streams.
+    pub fn partitions(&self) -> Vec<u32> {
+        self.tracked.iter().map(|t| t.range.partition).collect()
+    }
+
     /// The next event; `None` once a bounded range is complete. An error ends
     /// the subscription (the instance is shutting down).
     ///
     /// Cancellation safe: a cancelled call loses no event.
     pub async fn next(&mut self) -> Option<Result<SubscriptionEvent, RuntimeError>> {
-        todo!()
+        loop {
+            if self.finished || self.is_complete() {
+                self.finished = true;
+                return None;
+            }
+            if let Some(batch) = self.replay.pop_front() {
+                self.account(&batch);
+                return Some(Ok(SubscriptionEvent::Batch(batch)));
+            }
+            let received = if self.lagged && self.bounded {
+                // Missed batches never arrive: re-check the watermarks now and then.
+                match tokio::time::timeout(Duration::from_millis(100), self.receiver.recv()).await {
+                    Ok(received) => received,
+                    Err(_) => continue,
+                }
+            } else {
+                self.receiver.recv().await
+            };
+            match received {
+                Ok(batch) => {
+                    if let Some(batch) = self.filter(batch) {
+                        self.account(&batch);
+                        return Some(Ok(SubscriptionEvent::Batch(batch)));
+                    }
+                }
+                Err(broadcast::error::RecvError::Lagged(missed)) => {
+                    self.lagged = true;
+                    return Some(Ok(SubscriptionEvent::Lagged {
+                        missed_batches: missed,
+                    }));
+                }
+                Err(broadcast::error::RecvError::Closed) => {
+                    self.finished = true;
+                    return Some(Err(RuntimeError::shutting_down()));
+                }
+            }
+        }
+    }
+
+    fn is_complete(&self) -> bool {
+        if !self.bounded {
+            return false;
+        }
+        if self.tracked.iter().all(|t| t.remaining == 0) {
+            return true;
+        }
+        self.lagged
+            && self.tracked.iter().all(|t| {
+                let end = t.range.end.unwrap_or(u64::MAX);
+                t.remaining == 0 || (self.watermark_of)(t.range.partition).is_some_and(|w| w >= end)
+            })
+    }
+
+    /// Keeps the records of `batch` inside this subscription's ranges.
+    fn filter(&self, batch: Arc<OutcomeBatch>) -> Option<Arc<OutcomeBatch>> {
+        let tracked = self
+            .tracked
+            .iter()
+            .find(|t| t.range.partition == batch.partition)?;
+        let range = tracked.range;
+        let inside = |offset: u64| offset >= range.start && range.end.is_none_or(|end| offset < end);
+        if batch.records.iter().all(|r| inside(r.offset)) {
+            return (!batch.records.is_empty()).then_some(batch);
+        }
+        let records: Vec<_> = batch
+            .records
+            .iter()
+            .filter(|r| inside(r.offset))
+            .cloned()
+            .collect();
+        let first_offset = records.iter().map(|r| r.offset).min()?;
+        let last_offset = records.iter().map(|r| r.offset).max().unwrap_or(first_offset);
+        Some(Arc::new(OutcomeBatch {
+            first_offset,
+            last_offset,
+            records,
+            ..(*batch).clone()
+        }))
+    }
+
+    fn account(&mut self, batch: &OutcomeBatch) {
+        if let Some(tracked) = self
+            .tracked
+            .iter_mut()
+            .find(|t| t.range.partition == batch.partition)
+        {
+            let finals = batch.records.iter().filter(|r| r.outcome.is_final()).count() as u64;
+            tracked.remaining = tracked.remaining.saturating_sub(finals);
+        }
     }
 }
