@@ -1,0 +1,419 @@
+//! Every RPC end to end through the Rust client: a real server on port 0 over
+//! TCP, the status codes of the error table, and the RecordCallback contract
+//! (one callback per batch, offset order with `in_order`, coalesced mode).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use taskstream::v1;
+use taskstream_client::{
+    ClientError, End, MetadataBatch, MetadataOptions, Start, StreamsClient, keyed_record,
+};
+use taskstream_server::config::LatencySpec;
+use taskstream_server::{Config, PipelineConfig, ProcessingOrder, ProcessorSpec, StreamsApp, TopicConfig};
+use tokio::sync::oneshot;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn pipeline(
+    name: &str,
+    processor: ProcessorSpec,
+    t: Option<usize>,
+    order: Option<ProcessingOrder>,
+) -> PipelineConfig {
+    PipelineConfig {
+        name: name.into(),
+        source_topic: "events".into(),
+        partitions: None,
+        processor,
+        num_threads_per_task: t,
+        processing_order: order,
+    }
+}
+
+/// Stores: `counts` (offset, T = 2), `ukeys` (unordered, T = 2), `kkeys` (key, T = 2),
+/// `single` (unordered but T = 1, so in order).
+fn config() -> Config {
+    Config {
+        application_id: "e2e".into(),
+        num_stream_threads: 4,
+        num_threads_per_task: 2,
+        commit_interval_ms: 50,
+        topics: vec![TopicConfig {
+            name: "events".into(),
+            partitions: 8,
+        }],
+        pipelines: vec![
+            pipeline("counts", ProcessorSpec::Count, None, None),
+            pipeline(
+                "ukeys",
+                ProcessorSpec::Count,
+                None,
+                Some(ProcessingOrder::Unordered),
+            ),
+            pipeline("kkeys", ProcessorSpec::Latest, None, Some(ProcessingOrder::Key)),
+            pipeline(
+                "single",
+                ProcessorSpec::Count,
+                Some(1),
+                Some(ProcessingOrder::Unordered),
+            ),
+        ],
+        ..Config::default()
+    }
+}
+
+/// A server on 127.0.0.1:0; dropping it shuts the server down.
+struct Server {
+    app: StreamsApp,
+    client: StreamsClient,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Server {
+    async fn start(mut config: Config) -> Server {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        config.application_server = addr.to_string();
+        let app = StreamsApp::start(config).unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(taskstream_server::service::serve(app.clone(), listener, async {
+            let _ = stopped.await;
+        }));
+        let client = StreamsClient::connect(format!("http://{addr}")).await.unwrap();
+        Server {
+            app,
+            client,
+            stop: Some(stop),
+            task: Some(tokio::spawn(async move {
+                let _ = task.await;
+            })),
+        }
+    }
+
+    async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            tokio::time::timeout(WAIT, task)
+                .await
+                .expect("server stopped in time")
+                .unwrap();
+        }
+    }
+
+    async fn produce(&self, count: usize, keys: usize) -> v1::ProduceResponse {
+        let records = (0..count)
+            .map(|i| keyed_record(format!("k{}", i % keys), format!("{i}")))
+            .collect();
+        self.client.produce("events", records).await.unwrap()
+    }
+
+    async fn caught_up(&self) {
+        let app = self.app.clone();
+        let done = tokio::task::spawn_blocking(move || app.wait_until_caught_up(WAIT))
+            .await
+            .unwrap();
+        assert!(done, "processing caught up");
+    }
+}
+
+fn code_of(result: Result<impl std::fmt::Debug, ClientError>) -> ClientError {
+    result.expect_err("the call should fail")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn produce_query_metadata_and_admin_rpcs() {
+    let server = Server::start(config()).await;
+    let client = &server.client;
+    let produced = server.produce(1000, 10).await;
+    assert_eq!(produced.record_count, 1000);
+    assert_eq!(produced.positions.len(), 1000);
+    server.caught_up().await;
+
+    // Key routing is Kafka's: "a" → partition 4 of 8 (shared/testdata).
+    let key = client.metadata_for_key("counts", "a").await.unwrap();
+    assert_eq!(key.partition, 4);
+    assert_eq!(key.task_id, "counts_4");
+
+    assert_eq!(client.get("counts", "k3").await.unwrap().unwrap(), "100");
+    assert_eq!(client.get("counts", "nope").await.unwrap(), None);
+    let range = client
+        .range("counts", Some("k2".into()), Some("k4".into()))
+        .await
+        .unwrap();
+    let keys: Vec<_> = range.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    assert_eq!(
+        keys,
+        vec![
+            ("k2".into(), "100".into()),
+            ("k3".into(), "100".into()),
+            ("k4".into(), "100".into())
+        ]
+    );
+
+    let metadata = client.process_metadata_for_store("counts", true).await.unwrap();
+    assert!(metadata.in_order);
+    assert_eq!(metadata.threads_per_task, 2);
+    let instance = &metadata.metadata[0];
+    assert_eq!(instance.tasks.len(), 8);
+    assert_eq!(instance.host_info.as_ref().unwrap().host, "127.0.0.1");
+    assert!(instance.state_store_names.contains(&"counts".to_string()));
+    let total_end: i64 = instance.tasks.iter().map(|t| t.end_offset).sum();
+    let total_watermark: i64 = instance.tasks.iter().map(|t| t.watermark).sum();
+    assert_eq!((total_end, total_watermark), (1000, 1000));
+
+    let described = client.describe_runtime().await.unwrap();
+    assert_eq!(described.num_stream_threads, 4);
+    assert_eq!(described.pipelines.len(), 4);
+    let added = client.add_stream_thread().await.unwrap();
+    assert_eq!(added.num_stream_threads, 5);
+    let removed = client
+        .remove_stream_thread(Some(&added.thread_name))
+        .await
+        .unwrap();
+    assert_eq!(removed.thread_name, added.thread_name);
+    assert_eq!(removed.num_stream_threads, 4);
+
+    // Bulk produce on a client stream.
+    let batches = tokio_stream::iter((0..5).map(|b| {
+        (0..200)
+            .map(|i| keyed_record(format!("s{b}"), format!("{i}")))
+            .collect()
+    }));
+    let bulk = client.produce_stream("events", batches).await.unwrap();
+    assert_eq!(bulk.record_count, 1000);
+    server.caught_up().await;
+    assert_eq!(client.get("counts", "s3").await.unwrap().unwrap(), "200");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_are_the_documented_status_codes() {
+    let mut cfg = config();
+    cfg.outcome_retention_records = 50;
+    cfg.max_batch_records = 10;
+    let server = Server::start(cfg).await;
+    let client = &server.client;
+    server.produce(800, 5).await;
+    server.caught_up().await;
+
+    // in_order on key/unordered with T > 1: FAILED_PRECONDITION.
+    for store in ["ukeys", "kkeys"] {
+        let err = code_of(client.process_metadata_for_store(store, true).await);
+        assert!(
+            matches!(err, ClientError::IllegalState { ref violations, .. } if !violations.is_empty()),
+            "{err:?}"
+        );
+        assert!(client.process_metadata_for_store(store, false).await.is_ok());
+    }
+    // in_order with offset order and T > 1, and T = 1 with any order: OK.
+    assert!(
+        client
+            .process_metadata_for_store("counts", true)
+            .await
+            .unwrap()
+            .in_order
+    );
+    assert!(
+        client
+            .process_metadata_for_store("single", true)
+            .await
+            .unwrap()
+            .in_order
+    );
+
+    let err = code_of(client.process_metadata_for_store("missing", false).await);
+    assert!(matches!(err, ClientError::UnknownStore { .. }), "{err:?}");
+    let err = code_of(client.process_metadata_for_store("", false).await);
+    assert!(
+        matches!(err, ClientError::IllegalArgument { ref field_violations, .. }
+            if field_violations.iter().any(|v| v.field == "store")),
+        "{err:?}"
+    );
+
+    // Malformed offsets, bounds before starts, start offsets no longer retained.
+    let stream_error = |options: MetadataOptions| {
+        let (tx, rx) = oneshot::channel();
+        let tx = Mutex::new(Some(tx));
+        let handle =
+            client.get_metadata_async("counts", options, move |r: Result<MetadataBatch, ClientError>| {
+                if let (Err(e), Some(tx)) = (r, tx.lock().unwrap().take()) {
+                    let _ = tx.send(e);
+                }
+            });
+        async move {
+            let err = tokio::time::timeout(WAIT, rx).await.unwrap().unwrap();
+            handle.join().await;
+            err
+        }
+    };
+    let negative = MetadataOptions::bounded().start(Start::Offsets(BTreeMap::from([(0, -1)])));
+    assert!(matches!(
+        stream_error(negative).await,
+        ClientError::IllegalArgument { .. }
+    ));
+    let backwards = MetadataOptions::bounded()
+        .start(Start::Offsets(BTreeMap::from([(0, 100_000)])))
+        .end(End::Offsets(BTreeMap::from([(0, 10)])));
+    assert!(matches!(
+        stream_error(backwards).await,
+        ClientError::IllegalArgument { .. }
+    ));
+    let bad_partition = MetadataOptions::bounded().partitions([99]);
+    assert!(matches!(
+        stream_error(bad_partition).await,
+        ClientError::IllegalArgument { .. }
+    ));
+    let too_old = MetadataOptions::bounded().start(Start::Offsets(BTreeMap::from([(0, 0)])));
+    let err = stream_error(too_old).await;
+    assert!(matches!(err, ClientError::OutOfRange { .. }), "{err:?}");
+
+    // Removing a thread below T: INVALID_ARGUMENT naming the setting.
+    let mut small = config();
+    small.num_stream_threads = 2;
+    let small_server = Server::start(small).await;
+    let err = code_of(small_server.client.remove_stream_thread(None).await);
+    assert!(
+        matches!(err, ClientError::IllegalArgument { ref field_violations, .. }
+            if field_violations.iter().any(|v| v.field == "num_stream_threads")),
+        "{err:?}"
+    );
+    small_server.stop().await;
+
+    // Shutting down: UNAVAILABLE with a retry delay.
+    server.app.begin_shutdown();
+    let err = code_of(client.process_metadata_for_store("counts", false).await);
+    assert!(
+        matches!(
+            err,
+            ClientError::NotAvailable {
+                retry_after: Some(_),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    server.stop().await;
+}
+
+fn simulated_config() -> Config {
+    Config {
+        application_id: "callbacks".into(),
+        num_stream_threads: 4,
+        num_threads_per_task: 4,
+        max_batch_records: 20,
+        topics: vec![TopicConfig {
+            name: "events".into(),
+            partitions: 3,
+        }],
+        pipelines: vec![pipeline(
+            "slow",
+            ProcessorSpec::Simulate {
+                latency_ms: Some(LatencySpec::Uniform([0.0, 1.0])),
+                cpu_work_us: 0,
+                failure_rate: 0.0,
+                fail_attempts: 0,
+                seed: 42,
+            },
+            None,
+            None,
+        )],
+        ..Config::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callbacks_once_per_batch_in_offset_order_and_coalesced_once() {
+    let server = Server::start(simulated_config()).await;
+    let client = &server.client;
+    // Subscribe before producing: the bounded end is what exists now, so produce first
+    // and stream while the four threads of each task are still at work.
+    server.produce(1200, 97).await;
+
+    let calls: Arc<Mutex<Vec<Result<MetadataBatch, ClientError>>>> = Arc::default();
+    let sink = calls.clone();
+    let handle = client.get_metadata_async(
+        "slow",
+        MetadataOptions::bounded().in_order(true),
+        move |r: Result<MetadataBatch, ClientError>| sink.lock().unwrap().push(r),
+    );
+    tokio::time::timeout(WAIT, handle.join())
+        .await
+        .expect("bounded stream completed");
+    let calls = std::mem::take(&mut *calls.lock().unwrap());
+    let mut next: HashMap<u32, i64> = HashMap::new();
+    let mut threads = std::collections::HashSet::new();
+    for call in &calls {
+        let batch = call.as_ref().expect("no error callback");
+        assert_eq!(batch.ranges.len(), 1, "one streamed batch per callback");
+        threads.insert(batch.ranges[0].thread.clone());
+        for record in &batch.records {
+            let expected = next.entry(record.partition).or_insert(0);
+            assert_eq!(
+                record.offset, *expected,
+                "partition {} strictly increasing, no gap",
+                record.partition
+            );
+            *expected += 1;
+        }
+    }
+    assert_eq!(next.values().sum::<i64>(), 1200);
+    assert!(calls.len() > 3, "{} callbacks", calls.len());
+    assert!(threads.len() > 1, "several threads served the tasks: {threads:?}");
+
+    // Coalesced: exactly one callback with every record, sorted by (partition, offset).
+    server.produce(300, 7).await;
+    let calls: Arc<Mutex<Vec<Result<MetadataBatch, ClientError>>>> = Arc::default();
+    let sink = calls.clone();
+    let handle = client.get_metadata_async(
+        "slow",
+        MetadataOptions::bounded().in_order(true).coalesce(true),
+        move |r: Result<MetadataBatch, ClientError>| sink.lock().unwrap().push(r),
+    );
+    tokio::time::timeout(WAIT, handle.join())
+        .await
+        .expect("coalesced stream completed");
+    let calls = calls.lock().unwrap();
+    assert_eq!(calls.len(), 1, "exactly one callback");
+    let batch = calls[0].as_ref().unwrap();
+    assert_eq!(batch.records.len(), 1500);
+    let keys: Vec<(u32, i64)> = batch.records.iter().map(|r| (r.partition, r.offset)).collect();
+    let mut sorted = keys.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(keys, sorted);
+    drop(calls);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_stream_follows_new_records_and_cancel_stops_it() {
+    let server = Server::start(simulated_config()).await;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let handle = server.client.get_metadata_async(
+        "slow",
+        MetadataOptions::follow(),
+        move |r: Result<MetadataBatch, ClientError>| {
+            let _ = tx.send(r.map(|b| b.records.len()));
+        },
+    );
+    server.produce(100, 5).await;
+    let mut seen = 0;
+    while seen < 100 {
+        let got = tokio::time::timeout(WAIT, rx.recv())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        seen += got;
+    }
+    assert_eq!(seen, 100);
+    handle.cancel();
+    tokio::time::timeout(WAIT, handle.join())
+        .await
+        .expect("cancel ends the stream");
+    server.stop().await;
+}
