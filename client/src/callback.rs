@@ -57,6 +57,11 @@ impl CancelState {
         self.cancelled.load(Ordering::SeqCst)
     }
 
+    fn cancel(&self) {
+        self.cancelled.store(true, Ordering::SeqCst);
+        self.wake.notify_one();
+    }
+
     /// Resolves once `cancel` was called.
     async fn cancelled(&self) {
         while !self.is_cancelled() {
@@ -86,8 +91,15 @@ impl MetadataHandle {
     /// may also be called from inside a callback). `cancel().join().await`
     /// is the hard barrier. Cancelling a finished subscription does nothing.
     pub fn cancel(&self) {
-        self.cancel.cancelled.store(true, Ordering::SeqCst);
-        self.cancel.wake.notify_one();
+        self.cancel.cancel();
+    }
+
+    /// A cloneable handle that cancels this subscription from elsewhere, e.g.
+    /// a signal handler while another task waits in [`join`](Self::join).
+    pub fn cancel_handle(&self) -> CancelHandle {
+        CancelHandle {
+            cancel: self.cancel.clone(),
+        }
     }
 
     /// True once the stream ended and every callback returned.
@@ -105,6 +117,27 @@ impl MetadataHandle {
         {
             panic::resume_unwind(error.into_panic());
         }
+    }
+}
+
+/// Cancels a subscription without owning its [`MetadataHandle`], as tokio's `AbortHandle`.
+#[derive(Clone)]
+pub struct CancelHandle {
+    cancel: Arc<CancelState>,
+}
+
+impl CancelHandle {
+    /// Same as [`MetadataHandle::cancel`].
+    pub fn cancel(&self) {
+        self.cancel.cancel();
+    }
+}
+
+impl std::fmt::Debug for CancelHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CancelHandle")
+            .field("cancelled", &self.cancel.is_cancelled())
+            .finish()
     }
 }
 
@@ -444,10 +477,33 @@ mod tests {
         }
         assert!(!handle.is_finished(), "an open stream runs until cancelled");
         handle.cancel();
-        handle.cancel(); // idempotent
+        handle.cancel_handle().cancel(); // idempotent, and from a clone too
         handle.join().await;
         assert!(fake.gone.wait().await, "the server saw the stream closed");
         assert!(drain(&mut rx).is_empty());
+    }
+
+    #[tokio::test]
+    async fn cancel_handle_ends_a_join_in_progress() {
+        let fake = Fake {
+            hold_open: true,
+            ..Default::default()
+        };
+        let (client, fake, _) = serve(fake).await;
+        let handle = client.get_metadata_async("counts", MetadataOptions::follow(), |_: Outcome| {});
+        let canceller = handle.cancel_handle();
+        let joined = tokio::spawn(handle.join());
+        // Cancel only once the server holds the stream, so it can see it closed.
+        while fake.metadata_calls.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!joined.is_finished());
+        canceller.cancel();
+        tokio::time::timeout(Duration::from_secs(5), joined)
+            .await
+            .expect("join returns after cancel")
+            .expect("no panic");
+        assert!(fake.gone.wait().await);
     }
 
     #[tokio::test]

@@ -14,8 +14,9 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::{
-    ClientError,
+    ClientError, FieldViolation,
     callback::{self, MetadataHandle, RecordCallback},
+    error::error_chain,
     metadata::MetadataOptions,
 };
 
@@ -44,9 +45,13 @@ impl StreamsClient {
         } else {
             format!("http://{addr}")
         };
-        let endpoint = Endpoint::from_shared(uri)
-            .map_err(|e| {
-                ClientError::illegal_argument("addr", format!("`{addr}` is not a valid address: {e}"))
+        let endpoint = Endpoint::from_shared(uri.clone())
+            .map_err(|e| ClientError::IllegalArgument {
+                message: format!("invalid server address `{addr}` ({e})"),
+                field_violations: vec![FieldViolation {
+                    field: "addr".into(),
+                    description: e.to_string(),
+                }],
             })?
             .connect_timeout(Duration::from_secs(5))
             .tcp_nodelay(true)
@@ -54,7 +59,9 @@ impl StreamsClient {
             .http2_keep_alive_interval(Duration::from_secs(30))
             .keep_alive_timeout(Duration::from_secs(10))
             .keep_alive_while_idle(true);
-        let channel = endpoint.connect().await?;
+        let channel = endpoint.connect().await.map_err(|error| ClientError::Transport {
+            message: format!("cannot connect to {uri}: {}", error_chain(&error)),
+        })?;
         Ok(Self::from_channel(channel))
     }
 

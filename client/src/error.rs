@@ -51,7 +51,7 @@ pub enum ClientError {
     /// The request is valid but the store cannot honour it in its current
     /// configuration, e.g. `in_order` on a store whose tasks run `key` or
     /// `unordered` order with several threads per task.
-    #[error("illegal state: {message}{}", describe_preconditions(violations))]
+    #[error("{message}")]
     IllegalState {
         message: String,
         violations: Vec<PreconditionViolation>,
@@ -59,26 +59,26 @@ pub enum ClientError {
 
     /// A malformed request: empty store name or key, bad offsets or bounds,
     /// or an admin change that would make the configuration invalid.
-    #[error("illegal argument: {message}{}", describe_fields(field_violations))]
+    #[error("{message}{}", describe_fields(message, field_violations))]
     IllegalArgument {
         message: String,
         field_violations: Vec<FieldViolation>,
     },
 
     /// The store (or topic) does not exist on the server.
-    #[error("unknown store or topic: {message}")]
+    #[error("{message}")]
     UnknownStore { message: String },
 
     /// The instance is starting, rebalancing, restoring or shutting down; the
     /// call may succeed if retried after `retry_after` (from google.rpc.RetryInfo).
-    #[error("not available: {message}{}", describe_retry(retry_after))]
+    #[error("{message}{}", describe_retry(retry_after))]
     NotAvailable {
         message: String,
         retry_after: Option<Duration>,
     },
 
     /// A start offset the server no longer retains.
-    #[error("out of range: {message}")]
+    #[error("{message}")]
     OutOfRange { message: String },
 
     /// A metadata subscriber was too slow and the server dropped batches for
@@ -88,7 +88,8 @@ pub enum ClientError {
     Lagged { missed_batches: u64 },
 
     /// The server could not be reached, or the connection broke mid-call.
-    #[error("transport error: {message}")]
+    /// The message starts with "transport error" or "cannot connect".
+    #[error("{message}")]
     Transport { message: String },
 
     /// Any other status (INTERNAL, DEADLINE_EXCEEDED, …).
@@ -99,11 +100,17 @@ pub enum ClientError {
 impl ClientError {
     /// Maps a status from the server (or from tonic's transport) to a typed error.
     pub fn from_status(status: &Status) -> Self {
-        let message = status.message().to_owned();
+        // Messages are for people; say at least what kind of failure it was.
+        let message = match status.message() {
+            "" => status.code().description().to_owned(),
+            message => message.to_owned(),
+        };
         // tonic reports "server unreachable" as UNAVAILABLE too; only the
         // source chain tells it apart from the server's own UNAVAILABLE.
         if is_transport_failure(status) {
-            return ClientError::Transport { message };
+            return ClientError::Transport {
+                message: format!("transport error: {message}"),
+            };
         }
         match status.code() {
             Code::FailedPrecondition => ClientError::IllegalState {
@@ -148,7 +155,9 @@ impl ClientError {
                 missed_batches: missed_batches(status),
             },
             // What a dropped connection or a reset stream looks like to the client.
-            Code::Unknown | Code::Cancelled => ClientError::Transport { message },
+            Code::Unknown | Code::Cancelled => ClientError::Transport {
+                message: format!("transport error: {message}"),
+            },
             code => ClientError::Other { code, message },
         }
     }
@@ -237,7 +246,7 @@ fn missed_batches(status: &Status) -> u64 {
 
 /// "a: b: c" from an error and its sources; transport errors hide the useful
 /// part ("connection refused") in the source chain.
-fn error_chain(error: &dyn StdError) -> String {
+pub(crate) fn error_chain(error: &dyn StdError) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(inner) = source {
@@ -251,26 +260,18 @@ fn error_chain(error: &dyn StdError) -> String {
     text
 }
 
-fn describe_fields(violations: &[FieldViolation]) -> String {
-    if violations.is_empty() {
-        return String::new();
-    }
+/// The field violations the message does not already spell out.
+fn describe_fields(message: &str, violations: &[FieldViolation]) -> String {
     let parts: Vec<String> = violations
         .iter()
+        .filter(|v| !message.contains(&v.description))
         .map(|v| format!("{}: {}", v.field, v.description))
         .collect();
-    format!(" [{}]", parts.join("; "))
-}
-
-fn describe_preconditions(violations: &[PreconditionViolation]) -> String {
-    if violations.is_empty() {
-        return String::new();
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!(" [{}]", parts.join("; "))
     }
-    let parts: Vec<String> = violations
-        .iter()
-        .map(|v| format!("{} {}: {}", v.kind, v.subject, v.description))
-        .collect();
-    format!(" [{}]", parts.join("; "))
 }
 
 fn describe_retry(retry_after: &Option<Duration>) -> String {
@@ -312,7 +313,8 @@ mod tests {
             }
         );
         assert_eq!(error.exit_code(), 4);
-        assert!(error.to_string().contains("PROCESSING_ORDER counts"));
+        // The server's message says it all; the violations are for programs.
+        assert_eq!(error.to_string(), "store counts runs key order");
     }
 
     #[test]
@@ -348,7 +350,17 @@ mod tests {
         assert_eq!(error.exit_code(), 2);
         assert_eq!(
             error.to_string(),
-            "illegal argument: bad request [store: must not be empty; end_offsets: partition 9 does not exist]"
+            "bad request [store: must not be empty; end_offsets: partition 9 does not exist]"
+        );
+        // Violations already in the message are not repeated.
+        let status = Status::with_error_details(
+            Code::InvalidArgument,
+            "invalid store: must not be empty",
+            ErrorDetails::with_bad_request_violation("store", "must not be empty"),
+        );
+        assert_eq!(
+            ClientError::from_status(&status).to_string(),
+            "invalid store: must not be empty"
         );
     }
 
@@ -484,6 +496,15 @@ mod tests {
         );
         assert_eq!(error.exit_code(), 1);
         assert!(!error.is_retryable());
+        assert_eq!(error.to_string(), "internal error (status Internal)");
+        let empty = ClientError::from_status(&Status::new(Code::Aborted, ""));
+        assert_eq!(
+            empty,
+            ClientError::Other {
+                code: Code::Aborted,
+                message: "The operation was aborted".into()
+            }
+        );
         let error = ClientError::from_status(&Status::deadline_exceeded("slow"));
         assert!(matches!(
             error,

@@ -33,7 +33,7 @@ mod metadata;
 #[cfg(test)]
 mod test_server;
 
-pub use callback::{MetadataHandle, RecordCallback};
+pub use callback::{CancelHandle, MetadataHandle, RecordCallback};
 pub use client::{StreamsClient, keyed_record, unkeyed_record};
 pub use error::{ClientError, FieldViolation, PreconditionViolation};
 pub use metadata::{CompletedRange, End, MetadataBatch, MetadataOptions, RecordMetadata, Start};

@@ -1,1 +1,370 @@
-fn main() {}
+//! `taskstream`: the command line client of a taskstream server.
+//!
+//! `taskstream [--addr URL] [--json] <command>`; run `taskstream help` for the
+//! commands. Exit codes: 0 success, 1 other failure (and `get` of a missing
+//! key), 2 illegal argument or usage, 3 unknown store or topic, 4 illegal state,
+//! 5 not available, 6 out of range, 7 lagged, 8 transport, 130 Ctrl-C.
+
+mod cli;
+
+use std::{io, process::ExitCode};
+
+use bytes::Bytes;
+use clap::{Args, Parser, Subcommand};
+use serde_json::json;
+use taskstream_client::{ClientError, StreamsClient};
+
+use crate::cli::{
+    json, out, out_json_pretty, produce, render,
+    watch::{self, WatchEnd},
+};
+
+/// Command line client of taskstream: produce records, inspect store
+/// metadata, watch record outcomes, query stores, manage stream threads.
+#[derive(Debug, Parser)]
+#[command(name = "taskstream", version, propagate_version = true, after_help = EXIT_CODES)]
+struct Cli {
+    /// Server address: `host:port` or a URL.
+    #[arg(
+        long,
+        global = true,
+        env = "TASKSTREAM_ADDR",
+        default_value = "http://127.0.0.1:50051"
+    )]
+    addr: String,
+
+    /// Print machine-readable JSON instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+const EXIT_CODES: &str = "Exit codes: 0 ok, 1 other error (or `get`: key not found), 2 illegal argument, \
+3 unknown store or topic, 4 illegal state, 5 not available, 6 out of range, 7 lagged, 8 transport, 130 interrupted.";
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Append records to a topic: `key:value` lines from stdin, or VALUE arguments.
+    Produce(ProduceArgs),
+
+    /// Print the value of KEY in a store (nothing on stdout and exit 1 when absent).
+    Get {
+        /// Store (= pipeline) name.
+        #[arg(long)]
+        store: String,
+        key: String,
+    },
+
+    /// Instances and tasks of a store: threads, order, watermark, offsets, lag.
+    Metadata {
+        /// Store (= pipeline) name.
+        #[arg(long)]
+        store: String,
+        /// Ask for offset order; refused (exit 4) when the store can't guarantee it.
+        #[arg(long)]
+        in_order: bool,
+        /// Instead: the partition and hosts of this key.
+        #[arg(long, conflicts_with = "in_order")]
+        key: Option<String>,
+    },
+
+    /// Print record outcomes as the task threads complete them, one line per batch.
+    Watch(WatchArgs),
+
+    /// Print `key<TAB>value` lines of a store, keys in [FROM, TO] (inclusive; absent = open).
+    Range {
+        /// Store (= pipeline) name.
+        #[arg(long)]
+        store: String,
+        from: Option<String>,
+        to: Option<String>,
+    },
+
+    /// The runtime: stream threads and their state, pipelines, tasks.
+    Describe,
+
+    /// Add or remove stream threads.
+    Threads {
+        #[command(subcommand)]
+        command: ThreadsCommand,
+    },
+}
+
+#[derive(Debug, Args)]
+struct ProduceArgs {
+    /// Topic to append to.
+    #[arg(long)]
+    topic: String,
+    /// Key of every record; stdin lines are then whole values.
+    #[arg(long)]
+    key: Option<String>,
+    /// Write to this partition instead of the key's.
+    #[arg(long)]
+    partition: Option<u32>,
+    /// Don't show a progress bar for large inputs.
+    #[arg(long)]
+    no_progress: bool,
+    /// Values to produce; without any, records are read from stdin.
+    values: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+struct WatchArgs {
+    /// Store (= pipeline) name.
+    #[arg(long)]
+    store: String,
+    /// Offset order per partition; refused (exit 4) when the store can't guarantee it.
+    #[arg(long)]
+    in_order: bool,
+    /// Stop at the end offsets of now and exit 0 once every record up to them completed.
+    #[arg(long)]
+    until_end: bool,
+    /// Start at the oldest outcome the server retains instead of the current watermark.
+    #[arg(long)]
+    from_earliest: bool,
+    /// Only this partition (repeat for several).
+    #[arg(long = "partition")]
+    partitions: Vec<u32>,
+    /// At most this many records per batch (0 = as completed).
+    #[arg(long, default_value_t = 0)]
+    max_batch_records: u32,
+}
+
+#[derive(Debug, Subcommand)]
+enum ThreadsCommand {
+    /// Start one more stream thread.
+    Add,
+    /// Stop a stream thread (default: the most recently started one).
+    Remove { name: Option<String> },
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(code) => ExitCode::from(code),
+        Err(error) => {
+            if is_broken_pipe(&error) {
+                // The reader of our stdout left (`| head`): not an error.
+                return ExitCode::SUCCESS;
+            }
+            eprintln!("error: {error:#}");
+            let code = error
+                .downcast_ref::<ClientError>()
+                .map_or(1, ClientError::exit_code);
+            ExitCode::from(u8::try_from(code).unwrap_or(1))
+        }
+    }
+}
+
+fn is_broken_pipe(error: &anyhow::Error) -> bool {
+    error.chain().any(|e| {
+        e.downcast_ref::<io::Error>()
+            .is_some_and(|e| e.kind() == io::ErrorKind::BrokenPipe)
+    })
+}
+
+/// Runs one command; `Ok` carries the exit code of an outcome that is not an error.
+async fn run(cli: Cli) -> anyhow::Result<u8> {
+    let client = StreamsClient::connect(&cli.addr).await?;
+    let as_json = cli.json;
+    match cli.command {
+        Command::Produce(args) => {
+            let input = produce::ProduceInput {
+                topic: args.topic.clone(),
+                key: args.key,
+                partition: args.partition,
+                values: args.values,
+                progress: !args.no_progress,
+            };
+            match produce::run(&client, input).await? {
+                Some(response) if as_json => out_json_pretty(&json::produce(&response))?,
+                Some(response) => out(&render::produce(&response))?,
+                None if as_json => out_json_pretty(&json!({
+                    "topic": args.topic, "record_count": 0, "partitions": [], "positions": [],
+                }))?,
+                None => eprintln!("no records on stdin; nothing produced"),
+            }
+        }
+        Command::Get { store, key } => {
+            let value = client.get(&store, Bytes::from(key.clone())).await?;
+            if as_json {
+                out_json_pretty(&json!({
+                    "store": store, "key": key, "found": value.is_some(),
+                    "value": json::opt_bytes(value.as_ref()),
+                }))?;
+            }
+            match value {
+                Some(value) if !as_json => out(&(cli::text(&value) + "\n"))?,
+                Some(_) => {}
+                None => {
+                    // Exit 1 like `grep` without a match; stdout stays empty for `$(…)`.
+                    eprintln!("error: key `{key}` not found in store `{store}`");
+                    return Ok(1);
+                }
+            }
+        }
+        Command::Metadata {
+            store,
+            key: Some(key),
+            ..
+        } => {
+            let response = client.metadata_for_key(&store, Bytes::from(key.clone())).await?;
+            if as_json {
+                out_json_pretty(&json::key_metadata(&key, &response))?;
+            } else {
+                out(&render::key_metadata(&key, &response))?;
+            }
+        }
+        Command::Metadata {
+            store,
+            in_order,
+            key: None,
+        } => {
+            let response = client.process_metadata_for_store(&store, in_order).await?;
+            if as_json {
+                out_json_pretty(&json::store_metadata(&store, &response))?;
+            } else {
+                out(&render::store_metadata(&store, &response))?;
+            }
+        }
+        Command::Watch(args) => {
+            let input = watch::WatchInput {
+                store: args.store,
+                in_order: args.in_order,
+                until_end: args.until_end,
+                from_earliest: args.from_earliest,
+                partitions: args.partitions,
+                max_batch_records: args.max_batch_records,
+                json: as_json,
+            };
+            if watch::run(&client, input).await? == WatchEnd::Interrupted {
+                return Ok(130);
+            }
+        }
+        Command::Range { store, from, to } => {
+            let entries = client
+                .range(&store, from.map(Bytes::from), to.map(Bytes::from))
+                .await?;
+            if as_json {
+                let entries: Vec<_> = entries
+                    .iter()
+                    .map(|(k, v)| json!({ "key": json::bytes(k), "value": json::bytes(v) }))
+                    .collect();
+                out_json_pretty(&json!({ "store": store, "entries": entries }))?;
+            } else {
+                let mut text = String::new();
+                for (key, value) in &entries {
+                    text.push_str(&format!("{}\t{}\n", cli::text(key), cli::text(value)));
+                }
+                out(&text)?;
+            }
+        }
+        Command::Describe => {
+            let response = client.describe_runtime().await?;
+            if as_json {
+                out_json_pretty(&json::describe(&response))?;
+            } else {
+                out(&render::describe(&response))?;
+            }
+        }
+        Command::Threads {
+            command: ThreadsCommand::Add,
+        } => {
+            let response = client.add_stream_thread().await?;
+            if as_json {
+                out_json_pretty(&json!({
+                    "thread_name": response.thread_name, "num_stream_threads": response.num_stream_threads,
+                }))?;
+            } else {
+                out(&format!(
+                    "started stream thread {} ({} stream threads)\n",
+                    response.thread_name, response.num_stream_threads
+                ))?;
+            }
+        }
+        Command::Threads {
+            command: ThreadsCommand::Remove { name },
+        } => {
+            let response = client.remove_stream_thread(name.as_deref()).await?;
+            if as_json {
+                out_json_pretty(&json!({
+                    "thread_name": response.thread_name, "num_stream_threads": response.num_stream_threads,
+                }))?;
+            } else {
+                out(&format!(
+                    "stopping stream thread {} ({} stream threads remain)\n",
+                    response.thread_name, response.num_stream_threads
+                ))?;
+            }
+        }
+    }
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn flags_parse_anywhere() {
+        let cli = Cli::try_parse_from([
+            "taskstream",
+            "watch",
+            "--store",
+            "counts",
+            "--until-end",
+            "--json",
+        ])
+        .expect("parses");
+        assert!(cli.json);
+        let Command::Watch(args) = cli.command else {
+            panic!("watch")
+        };
+        assert!(args.until_end && !args.in_order && !args.from_earliest);
+
+        let cli = Cli::try_parse_from([
+            "taskstream",
+            "--addr",
+            "127.0.0.1:1",
+            "produce",
+            "--topic",
+            "t",
+            "a",
+            "b",
+        ])
+        .expect("parses");
+        assert_eq!(cli.addr, "127.0.0.1:1");
+        let Command::Produce(args) = cli.command else {
+            panic!("produce")
+        };
+        assert_eq!(args.values, vec!["a", "b"]);
+
+        let cli =
+            Cli::try_parse_from(["taskstream", "threads", "remove", "stream-thread-3"]).expect("parses");
+        assert!(matches!(
+            cli.command,
+            Command::Threads {
+                command: ThreadsCommand::Remove { name: Some(_) }
+            }
+        ));
+        let cli = Cli::try_parse_from(["taskstream", "range", "--store", "s", "a"]).expect("parses");
+        assert!(matches!(
+            cli.command,
+            Command::Range {
+                from: Some(_),
+                to: None,
+                ..
+            }
+        ));
+    }
+}
