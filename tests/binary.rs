@@ -1,0 +1,585 @@
+//! The `taskstream-server` binary as a process: invalid configurations exit
+//! with code 2 naming the setting; file < environment < flags reach
+//! DescribeRuntime; SIGTERM turns health NOT_SERVING, commits and exits 0.
+//! The binary is built once per run (`cargo build -p taskstream-server`).
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::OnceLock;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+use taskstream_client::{StreamsClient, keyed_record, v1};
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+/// Bound on anything the server is expected to do promptly (start, answer, exit).
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// The binary of this checkout, built next to the test executable: the root
+/// package's tests do not build other packages' binaries, and a binary left
+/// from an earlier build may be stale, so cargo is asked (a no-op when fresh).
+fn server_binary() -> &'static Path {
+    static BINARY: OnceLock<PathBuf> = OnceLock::new();
+    BINARY.get_or_init(|| {
+        // <target>/<profile>/deps/binary-HASH
+        let exe = std::env::current_exe().expect("the test executable's path");
+        let profile_dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("the test executable lives in <target>/<profile>/deps");
+        let target_dir = profile_dir.parent().expect("the target directory");
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let mut build = Command::new(cargo);
+        build
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args([
+                "build",
+                "--quiet",
+                "-p",
+                "taskstream-server",
+                "--bin",
+                "taskstream-server",
+            ])
+            .arg("--target-dir")
+            .arg(target_dir);
+        match profile_dir.file_name().and_then(|name| name.to_str()) {
+            Some("debug") => {}
+            Some("release") => {
+                build.arg("--release");
+            }
+            Some(profile) => {
+                build.args(["--profile", profile]);
+            }
+            None => {}
+        }
+        let output = run(
+            build,
+            "cargo build -p taskstream-server",
+            Duration::from_secs(1800),
+        );
+        assert!(
+            output.status.success(),
+            "building the server failed:\n{}",
+            output.describe()
+        );
+        let binary = profile_dir.join(format!("taskstream-server{}", std::env::consts::EXE_SUFFIX));
+        assert!(binary.is_file(), "no server binary at {}", binary.display());
+        binary
+    })
+}
+
+/// The binary with a clean environment: no inherited `TASKSTREAM_*` setting
+/// may leak into what a test asserts.
+fn server_command() -> Command {
+    let mut command = Command::new(server_binary());
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("TASKSTREAM_") {
+            command.env_remove(name);
+        }
+    }
+    command.env("RUST_LOG", "info");
+    command
+}
+
+struct Output {
+    status: ExitStatus,
+    stdout: String,
+    stderr: String,
+}
+
+impl Output {
+    fn describe(&self) -> String {
+        format!(
+            "exit status: {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+            self.status, self.stdout, self.stderr
+        )
+    }
+}
+
+/// Runs `command` to completion within `timeout`, killing it past the deadline.
+fn run(mut command: Command, what: &str, timeout: Duration) -> Output {
+    command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = command
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {what}: {e}"));
+    let (tx, rx) = mpsc::channel();
+    for (index, mut pipe) in [
+        Box::new(child.stdout.take().expect("stdout")) as Box<dyn Read + Send>,
+        Box::new(child.stderr.take().expect("stderr")),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            let _ = tx.send((index, String::from_utf8_lossy(&bytes).into_owned()));
+        });
+    }
+    // Both pipes reach EOF when the process exits; waiting on them (rather
+    // than on the child) lets the deadline apply without polling.
+    let deadline = Instant::now() + timeout;
+    let mut texts = [None, None];
+    while texts.iter().any(Option::is_none) {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok((index, text)) => texts[index] = Some(text),
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("{what} did not finish within {timeout:?}; killed it");
+            }
+        }
+    }
+    let status = child.wait().expect("wait for the child");
+    let [stdout, stderr] = texts.map(Option::unwrap_or_default);
+    Output {
+        status,
+        stdout,
+        stderr,
+    }
+}
+
+/// A TOML file in the temp dir, removed on drop.
+struct ConfigFile(PathBuf);
+
+impl ConfigFile {
+    fn new(name: &str, text: &str) -> ConfigFile {
+        let path = std::env::temp_dir().join(format!("taskstream-{name}-{}.toml", std::process::id()));
+        std::fs::write(&path, text).expect("write the config file");
+        ConfigFile(path)
+    }
+}
+
+impl Drop for ConfigFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Runs the binary expecting it to refuse its configuration.
+fn expect_invalid_config(mut command: Command, case: &str) -> Output {
+    // Port 0: should the config be wrongly accepted, the server starts without
+    // clashing with anything, and the deadline kills it.
+    command.args(["--listen", "127.0.0.1:0"]);
+    let output = run(command, case, DEADLINE);
+    assert_eq!(
+        output.status.code(),
+        Some(2),
+        "{case}: expected exit code 2\n{}",
+        output.describe()
+    );
+    assert!(
+        !output.stdout.contains("listening on"),
+        "{case}: it started\n{}",
+        output.describe()
+    );
+    output
+}
+
+fn assert_names(output: &Output, case: &str, settings: &[&str]) {
+    for setting in settings {
+        assert!(
+            output.stderr.contains(setting),
+            "{case}: the message does not name `{setting}`\n{}",
+            output.describe()
+        );
+    }
+}
+
+#[test]
+fn fewer_stream_threads_than_threads_per_task_exits_2_naming_both() {
+    let file = ConfigFile::new(
+        "n-less-than-t",
+        r#"
+num_stream_threads = 2
+num_threads_per_task = 4
+
+[[pipelines]]
+name = "counts"
+source_topic = "events"
+partitions = 8
+processor = "count"
+"#,
+    );
+    let mut command = server_command();
+    command.arg("--config").arg(&file.0);
+    let output = expect_invalid_config(command, "N = 2 < T = 4 in a file");
+    assert_names(&output, "N < T", &["num_stream_threads", "num_threads_per_task"]);
+
+    // The same mistake through the environment, over the embedded default (N = 4).
+    let mut command = server_command();
+    command.env("TASKSTREAM_NUM_THREADS_PER_TASK", "8");
+    let output = expect_invalid_config(command, "T = 8 from the environment");
+    assert_names(
+        &output,
+        "T from env",
+        &["num_stream_threads", "num_threads_per_task"],
+    );
+}
+
+#[test]
+fn other_invalid_configurations_exit_2_naming_the_setting() {
+    // A misspelt key is an error, not silently ignored.
+    let file = ConfigFile::new("unknown-key", "num_stream_thread = 3\n");
+    let mut command = server_command();
+    command.arg("--config").arg(&file.0);
+    let output = expect_invalid_config(command, "unknown key");
+    assert_names(
+        &output,
+        "unknown key",
+        &["num_stream_thread", &file.0.display().to_string()],
+    );
+
+    let file = ConfigFile::new("bad-order", "processing_order = \"sideways\"\n");
+    let mut command = server_command();
+    command.arg("--config").arg(&file.0);
+    let output = expect_invalid_config(command, "bad processing_order");
+    assert_names(&output, "bad processing_order", &["sideways"]);
+
+    let mut command = server_command();
+    command
+        .arg("--config")
+        .arg(std::env::temp_dir().join("taskstream-no-such-config.toml"));
+    let output = expect_invalid_config(command, "missing config file");
+    assert_names(
+        &output,
+        "missing config file",
+        &["config", "taskstream-no-such-config.toml"],
+    );
+
+    let mut command = server_command();
+    command.env("TASKSTREAM_MAX_BATCH_RECORDS", "0");
+    let output = expect_invalid_config(command, "max_batch_records = 0");
+    assert_names(&output, "max_batch_records = 0", &["max_batch_records"]);
+}
+
+/// What the server's stdout delivers, line by line, to a waiting test.
+enum Line {
+    Text(String),
+    Closed,
+}
+
+/// A running server process, killed on drop if a test leaves it running.
+struct ServerProcess {
+    child: Child,
+    addr: String,
+    banner: Vec<String>,
+    lines: mpsc::Receiver<Line>,
+    stderr: Option<std::thread::JoinHandle<String>>,
+}
+
+impl ServerProcess {
+    /// Starts the binary on port 0 and waits for `taskstream listening on ADDR`.
+    fn start(mut command: Command) -> ServerProcess {
+        command
+            .args(["--listen", "127.0.0.1:0"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = command.spawn().expect("start the server binary");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut stderr = child.stderr.take().expect("stderr");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(Line::Text(line)).is_err() {
+                    return;
+                }
+            }
+            let _ = tx.send(Line::Closed);
+        });
+        let stderr = std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = stderr.read_to_string(&mut text);
+            text
+        });
+        let mut server = ServerProcess {
+            child,
+            addr: String::new(),
+            banner: Vec::new(),
+            lines,
+            stderr: Some(stderr),
+        };
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            match server.next_line(deadline) {
+                Some(line) => {
+                    let addr = line.strip_prefix("taskstream listening on ").map(str::to_owned);
+                    server.banner.push(line);
+                    if let Some(addr) = addr {
+                        server.addr = addr;
+                        return server;
+                    }
+                }
+                None => {
+                    let status = server.child.try_wait().ok().flatten();
+                    panic!(
+                        "the server did not print `taskstream listening on` (exit: {status:?})\n\
+                         stdout:\n{}\nstderr:\n{}",
+                        server.banner.join("\n"),
+                        server.stop_and_collect_stderr()
+                    );
+                }
+            }
+        }
+    }
+
+    /// The next stdout line, or None once stdout closed or the deadline passed.
+    fn next_line(&self, deadline: Instant) -> Option<String> {
+        match self
+            .lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            Ok(Line::Text(line)) => Some(line),
+            Ok(Line::Closed) | Err(_) => None,
+        }
+    }
+
+    fn stop_and_collect_stderr(&mut self) -> String {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.stderr
+            .take()
+            .and_then(|reader| reader.join().ok())
+            .unwrap_or_default()
+    }
+
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([format!("-{signal}"), self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{signal} failed: {status}");
+    }
+
+    /// Waits (bounded) for the process to exit; returns its status, the rest of
+    /// its stdout and all of its stderr.
+    fn wait_for_exit(&mut self, timeout: Duration) -> (ExitStatus, Vec<String>, String) {
+        let deadline = Instant::now() + timeout;
+        let mut rest = Vec::new();
+        // stdout closes when the process exits: no polling needed.
+        loop {
+            match self
+                .lines
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            {
+                Ok(Line::Text(line)) => rest.push(line),
+                Ok(Line::Closed) => break,
+                Err(_) => {
+                    let stderr = self.stop_and_collect_stderr();
+                    panic!(
+                        "the server did not exit within {timeout:?}; killed it\nstdout:\n{}\nstderr:\n{stderr}",
+                        rest.join("\n")
+                    );
+                }
+            }
+        }
+        let status = self.child.wait().expect("wait for the server");
+        let stderr = self
+            .stderr
+            .take()
+            .and_then(|reader| reader.join().ok())
+            .unwrap_or_default();
+        (status, rest, stderr)
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}
+
+async fn connect(addr: &str) -> StreamsClient {
+    tokio::time::timeout(DEADLINE, StreamsClient::connect(addr))
+        .await
+        .expect("connect timed out")
+        .expect("connect to the server")
+}
+
+/// Polls (bounded) until every task of `store` has completed every record.
+async fn wait_until_caught_up(client: &StreamsClient, store: &str, records: i64) -> Vec<v1::TaskMetadata> {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let response = client
+            .process_metadata_for_store(store, true)
+            .await
+            .expect("ProcessMetadataForStore");
+        let tasks: Vec<v1::TaskMetadata> = response.metadata.into_iter().flat_map(|m| m.tasks).collect();
+        let end: i64 = tasks.iter().map(|t| t.end_offset).sum();
+        if end == records && tasks.iter().all(|t| t.watermark == t.end_offset) {
+            return tasks;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the tasks did not catch up within {DEADLINE:?}: {tasks:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[test]
+fn sigterm_turns_health_not_serving_commits_and_exits_0() {
+    let mut command = server_command();
+    // No periodic commit before the signal: what gets committed, the shutdown commits.
+    command.env("TASKSTREAM_COMMIT_INTERVAL_MS", "3600000");
+    let mut server = ServerProcess::start(command);
+    assert!(
+        server.banner.iter().any(|l| l.contains("embedded default")),
+        "{:#?}",
+        server.banner
+    );
+
+    let runtime = runtime();
+    let pid_signalled = runtime.block_on(async {
+        let client = connect(&server.addr).await;
+        let records: Vec<v1::ProducerRecord> = (0..200)
+            .map(|i| keyed_record(format!("key-{}", i % 17), i.to_string()))
+            .collect();
+        let produced = client.produce("events", records).await.expect("produce");
+        assert_eq!(produced.record_count, 200);
+
+        let tasks = wait_until_caught_up(&client, "counts", 200).await;
+        assert_eq!(tasks.len(), 8, "{tasks:#?}");
+        let uncommitted: i64 = tasks.iter().map(|t| t.watermark - t.committed_offset).sum();
+        assert_eq!(
+            uncommitted, 200,
+            "nothing committed before the signal: {tasks:#?}"
+        );
+
+        // Opened before the signal, so the switch to NOT_SERVING is seen live.
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.addr))
+            .expect("endpoint")
+            .connect()
+            .await
+            .expect("connect for health");
+        let mut health = HealthClient::new(channel);
+        let mut watch = health
+            .watch(tonic_health::pb::HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            .expect("health Watch")
+            .into_inner();
+        let first = watch.message().await.expect("health status").expect("a status");
+        assert_eq!(first.status(), ServingStatus::Serving);
+
+        server.signal("TERM");
+        let signalled = Instant::now();
+        // Health changes before the drain starts, while the server still answers.
+        let next = tokio::time::timeout(DEADLINE, watch.message())
+            .await
+            .expect("no health change within the deadline after SIGTERM")
+            .expect("the health Watch failed")
+            .expect("the health Watch ended without a status");
+        assert_eq!(next.status(), ServingStatus::NotServing);
+        signalled
+    });
+    // Every connection closed, so nothing holds the server's exit.
+    drop(runtime);
+
+    let (status, rest, stderr) = server.wait_for_exit(DEADLINE);
+    let took = pid_signalled.elapsed();
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "exit status {status}\nstdout:\n{}\nstderr:\n{stderr}",
+        rest.join("\n")
+    );
+    assert!(
+        rest.iter()
+            .any(|l| l == "taskstream stopped: watermarks committed"),
+        "no `stopped` line\nstdout:\n{}\nstderr:\n{stderr}",
+        rest.join("\n")
+    );
+    assert!(stderr.contains("SIGTERM received"), "{stderr}");
+    println!("exited 0 {took:?} after SIGTERM");
+}
+
+#[test]
+fn config_file_then_environment_then_flags_reach_describe_runtime() {
+    let file = ConfigFile::new(
+        "layers",
+        r#"
+application_id = "from-file"
+num_stream_threads = 3
+num_threads_per_task = 2
+processing_order = "key"
+
+[[topics]]
+name = "orders"
+partitions = 3
+
+[[pipelines]]
+name = "totals"
+source_topic = "orders"
+processor = "sum"
+"#,
+    );
+    let mut command = server_command();
+    command
+        .arg("--config")
+        .arg(&file.0)
+        .env("TASKSTREAM_NUM_STREAM_THREADS", "5")
+        .env("TASKSTREAM_APPLICATION_ID", "from-env")
+        .args(["--application-id", "from-flag"]);
+    let mut server = ServerProcess::start(command);
+    assert!(
+        server.banner.iter().any(|l| l.contains("N = 5 stream threads")),
+        "{:#?}",
+        server.banner
+    );
+
+    runtime().block_on(async {
+        let client = connect(&server.addr).await;
+        let runtime = client.describe_runtime().await.expect("DescribeRuntime");
+        // The flag beats the environment, which beats the file.
+        assert_eq!(runtime.application_id, "from-flag");
+        assert_eq!(runtime.num_stream_threads, 5, "{runtime:#?}");
+        assert_eq!(runtime.threads.len(), 5, "{runtime:#?}");
+        assert_eq!(runtime.state(), v1::ServiceState::Running);
+        let port: u32 = server
+            .addr
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse().ok())
+            .expect("port");
+        assert_eq!(runtime.host_info.as_ref().map(|h| h.port), Some(port));
+        // Settings only the file gives.
+        let pipelines: BTreeMap<&str, &v1::PipelineMetadata> =
+            runtime.pipelines.iter().map(|p| (p.name.as_str(), p)).collect();
+        assert_eq!(
+            pipelines.keys().copied().collect::<Vec<_>>(),
+            ["totals"],
+            "{runtime:#?}"
+        );
+        let totals = pipelines["totals"];
+        assert_eq!(totals.source_topic, "orders");
+        assert_eq!(totals.partitions, 3);
+        assert_eq!(totals.processor, "sum");
+        assert_eq!(totals.processing_order(), v1::ProcessingOrder::Key);
+        assert_eq!(totals.threads_per_task, 2);
+        assert_eq!(runtime.tasks.len(), 3, "{runtime:#?}");
+    });
+
+    server.signal("TERM");
+    let (status, rest, stderr) = server.wait_for_exit(DEADLINE);
+    assert_eq!(status.code(), Some(0), "{}\n{stderr}", rest.join("\n"));
+}
