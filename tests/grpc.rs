@@ -376,7 +376,7 @@ async fn callbacks_once_per_batch_in_offset_order_and_coalesced_once() {
     tokio::time::timeout(WAIT, handle.join())
         .await
         .expect("coalesced stream completed");
-    let calls = calls.lock().unwrap();
+    let calls = std::mem::take(&mut *calls.lock().unwrap());
     assert_eq!(calls.len(), 1, "exactly one callback");
     let batch = calls[0].as_ref().unwrap();
     assert_eq!(batch.records.len(), 1500);
@@ -385,7 +385,6 @@ async fn callbacks_once_per_batch_in_offset_order_and_coalesced_once() {
     sorted.sort();
     sorted.dedup();
     assert_eq!(keys, sorted);
-    drop(calls);
     server.stop().await;
 }
 
