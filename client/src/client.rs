@@ -205,8 +205,7 @@ impl StreamsClient {
         Ok(self.streams().produce_stream(requests).await?.into_inner())
     }
 
-    /// Subscribes to record metadata of `store` and returns at once; see the
-    /// `callback` module docs for the callback contract.
+    /// Subscribes to record metadata of `store` and returns at once.
     ///
     /// Every streamed batch becomes exactly one `callback.on_complete(Ok(batch))`.
     /// The error that ends the stream (or keeps it from opening) becomes

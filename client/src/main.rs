@@ -49,7 +49,8 @@ enum Command {
     /// Append records to a topic: `key:value` lines from stdin, or VALUE arguments.
     Produce(ProduceArgs),
 
-    /// Print the value of KEY in a store (nothing on stdout and exit 1 when absent).
+    /// Print the value of KEY in a store. An absent key prints nothing on stdout
+    /// (with --json: `"found": false`), a message on stderr, and exits 1.
     Get {
         /// Store (= pipeline) name.
         #[arg(long)]

@@ -50,6 +50,15 @@ impl Table {
     }
 }
 
+/// "1 record", "2 records".
+fn records(n: u64) -> String {
+    if n == 1 {
+        "1 record".to_owned()
+    } else {
+        format!("{n} records")
+    }
+}
+
 fn dash_if_empty(value: String) -> String {
     if value.is_empty() { "-".to_owned() } else { value }
 }
@@ -174,29 +183,33 @@ pub fn batch(batch: &MetadataBatch) -> String {
     };
     match batch.range() {
         Some(range) => format!(
-            "{}  {}  offsets {}..={}  {} records{failed}",
+            "{}  {}  offsets {}..={}  {}{failed}",
             range.task_id,
             range.thread,
             range.first_offset,
             range.last_offset,
-            batch.records.len()
+            records(batch.records.len() as u64)
         ),
-        None => format!("{}  {} records{failed}", batch.store, batch.records.len()),
+        None => format!("{}  {}{failed}", batch.store, records(batch.records.len() as u64)),
     }
 }
 
 pub fn produce(response: &v1::ProduceResponse) -> String {
     let mut out = format!(
-        "produced {} records to {}\n",
-        response.record_count, response.topic
+        "produced {} to {}\n",
+        records(response.record_count),
+        response.topic
     );
     let mut partitions = response.partitions.clone();
     partitions.sort_by_key(|p| p.partition);
     for p in partitions {
         let _ = writeln!(
             out,
-            "  partition {}: offsets {}..={} ({} records)",
-            p.partition, p.first_offset, p.last_offset, p.count
+            "  partition {}: offsets {}..={} ({})",
+            p.partition,
+            p.first_offset,
+            p.last_offset,
+            records(p.count)
         );
     }
     out
