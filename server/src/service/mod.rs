@@ -130,6 +130,10 @@ pub async fn serve(
         }
     };
 
+    match &drained {
+        Ok(()) => tracing::info!("runtime drained and watermarks committed; closing connections"),
+        Err(error) => tracing::error!(%error, "runtime shutdown failed; closing connections"),
+    }
     let _ = stop_tx.send(());
     match tokio::time::timeout(CONNECTION_GRACE, &mut server).await {
         Ok(result) => result?,
