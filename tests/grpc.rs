@@ -416,3 +416,43 @@ async fn an_open_stream_follows_new_records_and_cancel_stops_it() {
         .expect("cancel ends the stream");
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_too_slow_for_its_buffer_gets_resource_exhausted_when_configured() {
+    let mut cfg = config();
+    cfg.slow_subscriber = taskstream_server::config::SlowSubscriberPolicy::Fail;
+    cfg.subscriber_buffer_batches = 2;
+    cfg.max_batch_records = 1;
+    let server = Server::start(cfg).await;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    // The first callback blocks, so the client stops reading and the server's bounded buffers fill.
+    let handle = server.client.get_metadata_async(
+        "counts",
+        MetadataOptions::follow(),
+        move |r: Result<MetadataBatch, ClientError>| {
+            if r.is_ok() {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            let _ = tx.send(r.err());
+        },
+    );
+    for _ in 0..20 {
+        server.produce(1000, 50).await;
+    }
+    let error = loop {
+        match tokio::time::timeout(WAIT, rx.recv())
+            .await
+            .expect("the stream ended")
+            .expect("callback")
+        {
+            Some(error) => break error,
+            None => continue,
+        }
+    };
+    assert!(matches!(error, ClientError::Lagged { .. }), "{error:?}");
+    tokio::time::timeout(WAIT, handle.join())
+        .await
+        .expect("the stream ended");
+    server.caught_up().await;
+    server.stop().await;
+}
