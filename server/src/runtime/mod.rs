@@ -132,8 +132,7 @@ impl Sched {
         }
     }
 
-    fn commit_items(&self, shared: &Shared) -> Vec<CommitItem> {
-        let _ = shared;
+    fn commit_items(&self) -> Vec<CommitItem> {
         self.tasks
             .iter()
             .enumerate()
@@ -309,7 +308,7 @@ impl Shared {
         if let Some(committer) = self.committer.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = committer.join();
         }
-        let items = self.lock().commit_items(self);
+        let items = self.lock().commit_items();
         self.apply_commits(&items);
         for sender in self.lock().senders.iter_mut() {
             sender.take();

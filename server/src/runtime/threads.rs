@@ -350,7 +350,7 @@ impl Shared {
     pub(crate) fn commit_round<'a>(&'a self, mut s: MutexGuard<'a, Sched>) -> MutexGuard<'a, Sched> {
         s.committing = true;
         s.next_commit_at = Instant::now() + Duration::from_millis(self.config.commit_interval_ms);
-        let items = s.commit_items(self);
+        let items = s.commit_items();
         drop(s);
         if !items.is_empty() {
             let handed_off = match self
