@@ -28,6 +28,8 @@ fn pipeline(
         processor,
         num_threads_per_task: t,
         processing_order: order,
+        store: None,
+        retry_policy: None,
     }
 }
 
@@ -39,10 +41,7 @@ fn config() -> Config {
         num_stream_threads: 4,
         num_threads_per_task: 2,
         commit_interval_ms: 50,
-        topics: vec![TopicConfig {
-            name: "events".into(),
-            partitions: 8,
-        }],
+        topics: vec![TopicConfig::new("events", 8)],
         pipelines: vec![
             pipeline("counts", ProcessorSpec::Count, None, None),
             pipeline(
@@ -305,10 +304,7 @@ fn simulated_config() -> Config {
         num_stream_threads: 4,
         num_threads_per_task: 4,
         max_batch_records: 20,
-        topics: vec![TopicConfig {
-            name: "events".into(),
-            partitions: 3,
-        }],
+        topics: vec![TopicConfig::new("events", 3)],
         pipelines: vec![pipeline(
             "slow",
             ProcessorSpec::Simulate {

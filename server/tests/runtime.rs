@@ -28,6 +28,8 @@ fn config(n: usize, t: usize, order: ProcessingOrder, partitions: u32, processor
             },
             num_threads_per_task: None,
             processing_order: None,
+            store: None,
+            retry_policy: None,
         }],
         ..Config::default()
     }

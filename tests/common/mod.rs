@@ -28,6 +28,8 @@ pub fn config(addr: SocketAddr, application_id: &str) -> Config {
         processor: ProcessorSpec::Latest,
         num_threads_per_task: Some(2),
         processing_order: Some(ProcessingOrder::Unordered),
+        store: None,
+        retry_policy: None,
     });
     config
 }

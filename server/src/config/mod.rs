@@ -5,6 +5,7 @@
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::fmt;
+use std::path::PathBuf;
 
 /// How the records of one task are ordered while several threads process it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, Default)]
@@ -64,6 +65,40 @@ pub enum SlowSubscriberPolicy {
     Notify,
     /// End its stream with RESOURCE_EXHAUSTED.
     Fail,
+}
+
+/// Where a pipeline keeps its state store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StoreKind {
+    /// In memory; rebuilt at start by reprocessing the retained log up to the
+    /// committed watermark.
+    Memory,
+    /// On disk (redb under `data_dir`); each commit writes the store changes
+    /// and the task's watermark in one transaction.
+    Persistent,
+}
+
+impl StoreKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreKind::Memory => "memory",
+            StoreKind::Persistent => "persistent",
+        }
+    }
+}
+
+/// What happens to a record whose processor fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum RetryPolicy {
+    /// The record goes to the pipeline's retry topic and the task moves on;
+    /// reserve threads retry it with backoff, then dead-letter it.
+    #[default]
+    RetryTopic,
+    /// Kafka Streams' behaviour: the partition waits while the record is
+    /// retried in place (with the same backoff), then dead-lettered.
+    Blocking,
 }
 
 /// Latency of the `simulate` processor: a fixed number of milliseconds, or a
@@ -154,6 +189,14 @@ where
 pub struct TopicConfig {
     pub name: String,
     pub partitions: u32,
+    /// Per partition: oldest records beyond this many bytes may be removed
+    /// (only below every pipeline's committed watermark).
+    #[serde(default)]
+    pub log_retention_bytes: Option<u64>,
+    /// Records older than this may be removed (only below every pipeline's
+    /// committed watermark).
+    #[serde(default)]
+    pub log_retention_ms: Option<u64>,
 }
 
 /// One pipeline: source topic → processor → state store of the same name.
@@ -174,6 +217,12 @@ pub struct PipelineConfig {
     /// Overrides the application's `processing_order`.
     #[serde(default)]
     pub processing_order: Option<ProcessingOrder>,
+    /// `memory` or `persistent`; default: persistent when `data_dir` is set.
+    #[serde(default)]
+    pub store: Option<StoreKind>,
+    /// Overrides the application's `retry_policy`.
+    #[serde(default)]
+    pub retry_policy: Option<RetryPolicy>,
 }
 
 /// The whole configuration of one instance. Names follow Kafka Streams.
@@ -200,6 +249,19 @@ pub struct Config {
     pub subscriber_buffer_batches: usize,
     /// What a subscriber that falls behind its buffer gets.
     pub slow_subscriber: SlowSubscriberPolicy,
+    /// Directory of the persistent log and stores; `None` keeps everything in
+    /// memory (lost on restart).
+    pub data_dir: Option<PathBuf>,
+    /// What a failing record does: `retry_topic` (default) or `blocking`.
+    pub retry_policy: RetryPolicy,
+    /// Processing attempts of a record, the first included, before it is dead-lettered.
+    pub retry_max_attempts: u32,
+    /// Backoff before the first retry; doubles per attempt, with jitter.
+    pub retry_backoff_ms: u64,
+    /// Cap of the backoff.
+    pub retry_backoff_max_ms: u64,
+    /// A processor call running longer than this fails its record (0 = no limit).
+    pub processing_timeout_ms: u64,
     pub topics: Vec<TopicConfig>,
     pub pipelines: Vec<PipelineConfig>,
 }
@@ -219,6 +281,12 @@ impl Default for Config {
             outcome_retention_records: 100_000,
             subscriber_buffer_batches: 1024,
             slow_subscriber: SlowSubscriberPolicy::Notify,
+            data_dir: None,
+            retry_policy: RetryPolicy::RetryTopic,
+            retry_max_attempts: 3,
+            retry_backoff_ms: 100,
+            retry_backoff_max_ms: 10_000,
+            processing_timeout_ms: 30_000,
             topics: Vec::new(),
             pipelines: Vec::new(),
         }
@@ -242,6 +310,33 @@ impl ConfigError {
     }
 }
 
+impl TopicConfig {
+    pub fn new(name: impl Into<String>, partitions: u32) -> TopicConfig {
+        TopicConfig {
+            name: name.into(),
+            partitions,
+            log_retention_bytes: None,
+            log_retention_ms: None,
+        }
+    }
+}
+
+impl PipelineConfig {
+    /// A pipeline with every override left to the application's settings.
+    pub fn new(name: impl Into<String>, source_topic: impl Into<String>, processor: ProcessorSpec) -> Self {
+        PipelineConfig {
+            name: name.into(),
+            source_topic: source_topic.into(),
+            partitions: None,
+            processor,
+            num_threads_per_task: None,
+            processing_order: None,
+            store: None,
+            retry_policy: None,
+        }
+    }
+}
+
 /// The settings a pipeline actually runs with, after applying its overrides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EffectiveOrder {
@@ -257,18 +352,8 @@ impl Config {
         Config {
             num_stream_threads: 4,
             num_threads_per_task: 2,
-            topics: vec![TopicConfig {
-                name: "events".to_string(),
-                partitions: 8,
-            }],
-            pipelines: vec![PipelineConfig {
-                name: "counts".to_string(),
-                source_topic: "events".to_string(),
-                partitions: None,
-                processor: ProcessorSpec::Count,
-                num_threads_per_task: None,
-                processing_order: None,
-            }],
+            topics: vec![TopicConfig::new("events", 8)],
+            pipelines: vec![PipelineConfig::new("counts", "events", ProcessorSpec::Count)],
             ..Config::default()
         }
     }
@@ -302,6 +387,30 @@ impl Config {
                 configured
             },
         }
+    }
+
+    /// The store a pipeline runs with: its own setting, else persistent when
+    /// there is a data dir, else memory.
+    pub fn store_kind(&self, pipeline: &PipelineConfig) -> StoreKind {
+        pipeline.store.unwrap_or(if self.data_dir.is_some() {
+            StoreKind::Persistent
+        } else {
+            StoreKind::Memory
+        })
+    }
+
+    pub fn retry_policy(&self, pipeline: &PipelineConfig) -> RetryPolicy {
+        pipeline.retry_policy.unwrap_or(self.retry_policy)
+    }
+
+    /// The retry topic of a pipeline: `<application_id>-<pipeline>-retry`.
+    pub fn retry_topic(&self, pipeline: &str) -> String {
+        format!("{}-{pipeline}-retry", self.application_id)
+    }
+
+    /// The dead-letter topic of a pipeline: `<application_id>-<pipeline>-dlq`.
+    pub fn dead_letter_topic(&self, pipeline: &str) -> String {
+        format!("{}-{pipeline}-dlq", self.application_id)
     }
 
     /// The largest T of any pipeline: N must be at least this.
@@ -377,6 +486,29 @@ impl Config {
                 return Err(ConfigError::new(setting, "must be at least 1"));
             }
         }
+        if self.retry_max_attempts == 0 {
+            return Err(ConfigError::new(
+                "retry_max_attempts",
+                "must be at least 1 (1 = no retry: a failing record is dead-lettered at once)",
+            ));
+        }
+        if self.retry_backoff_max_ms < self.retry_backoff_ms {
+            return Err(ConfigError::new(
+                "retry_backoff_max_ms",
+                format!(
+                    "is {} but must be at least retry_backoff_ms ({}); raise it or lower retry_backoff_ms",
+                    self.retry_backoff_max_ms, self.retry_backoff_ms
+                ),
+            ));
+        }
+        if let Some(dir) = &self.data_dir
+            && dir.as_os_str().is_empty()
+        {
+            return Err(ConfigError::new(
+                "data_dir",
+                "must not be empty; give a directory path or leave it unset to keep everything in memory",
+            ));
+        }
         if self.max_in_flight_records < self.max_batch_records {
             return Err(ConfigError::new(
                 "max_in_flight_records",
@@ -389,6 +521,12 @@ impl Config {
         for (i, topic) in self.topics.iter().enumerate() {
             check_name(&format!("topics[{i}].name"), &topic.name)?;
             check_partitions(&format!("topics[{i}].partitions"), topic.partitions)?;
+            if topic.log_retention_bytes == Some(0) || topic.log_retention_ms == Some(0) {
+                return Err(ConfigError::new(
+                    format!("topics[{i}].log_retention_*"),
+                    "must be at least 1; leave it unset to keep every record",
+                ));
+            }
         }
         if self.pipelines.is_empty() {
             return Err(ConfigError::new(
@@ -415,6 +553,12 @@ impl Config {
                 check_threads_per_task(&format!("pipelines[{i}].num_threads_per_task"), t)?;
             }
             check_processor(&format!("pipelines[{i}].processor"), &pipeline.processor)?;
+            if pipeline.store == Some(StoreKind::Persistent) && self.data_dir.is_none() {
+                return Err(ConfigError::new(
+                    format!("pipelines[{i}].store"),
+                    "a persistent store needs a data dir; set data_dir (--data-dir) or use store = \"memory\"",
+                ));
+            }
         }
         self.topic_partitions()?;
         let max_t = self.max_threads_per_task();

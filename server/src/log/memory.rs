@@ -1,7 +1,10 @@
 //! The embedded in-memory log: topics of partitions held by the server itself,
 //! one `RwLock` per partition so readers of different partitions never meet.
 
-use super::{AppendListener, Log, LogError, ProducerRecord, Record, RecordPosition, partition_for_key};
+use super::{
+    AppendListener, Log, LogError, ProducerRecord, Record, RecordPosition, Retention, partition_for_key,
+    record_size,
+};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -12,6 +15,8 @@ struct PartitionLog {
     /// Offset of `records[0]`.
     start_offset: u64,
     records: VecDeque<Record>,
+    /// `record_size` summed over `records`.
+    bytes: u64,
 }
 
 impl PartitionLog {
@@ -143,6 +148,7 @@ impl Log for MemoryLog {
                 .unwrap_or_else(|e| e.into_inner());
             for (index, record) in batch {
                 let offset = log.end_offset();
+                log.bytes += record_size(record.key.as_deref(), &record.value, &record.headers);
                 log.records.push_back(Record {
                     partition,
                     offset,
@@ -236,6 +242,34 @@ impl Log for MemoryLog {
             .unwrap_or_else(|e| e.into_inner())
             .push(listener);
     }
+
+    fn enforce_retention(
+        &self,
+        topic_name: &str,
+        partition: u32,
+        retention: Retention,
+        keep_from: u64,
+        now_ms: i64,
+    ) -> Result<u64, LogError> {
+        let topic = self.topic(topic_name)?;
+        let mut log = Self::partition(topic_name, &topic, partition)?
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        let oldest_kept = retention
+            .max_age_ms
+            .map(|age| now_ms.saturating_sub(age.min(i64::MAX as u64) as i64));
+        while let Some(first) = log.records.front() {
+            let too_big = retention.max_bytes.is_some_and(|max| log.bytes > max);
+            let too_old = oldest_kept.is_some_and(|oldest| first.timestamp_ms < oldest);
+            if first.offset >= keep_from || !(too_big || too_old) {
+                break;
+            }
+            log.bytes -= record_size(first.key.as_deref(), &first.value, &first.headers);
+            log.records.pop_front();
+            log.start_offset += 1;
+        }
+        Ok(log.start_offset)
+    }
 }
 
 #[cfg(test)]
@@ -314,6 +348,40 @@ mod tests {
             log.append("nope", vec![]),
             Err(LogError::UnknownTopic(_))
         ));
+    }
+
+    #[test]
+    fn retention_removes_oldest_records_but_never_from_keep_from_on() {
+        let log = MemoryLog::new();
+        log.ensure_topic("t", 1).unwrap();
+        let records = (0..10)
+            .map(|i| ProducerRecord {
+                value: vec![b'x'; 84].into(),
+                partition: Some(0),
+                timestamp_ms: Some(1_000 + i),
+                ..Default::default()
+            })
+            .collect();
+        log.append("t", records).unwrap();
+        // Each record counts 100 bytes: keep 300 bytes, but offset 5 on is still needed.
+        let by_size = Retention {
+            max_bytes: Some(300),
+            max_age_ms: None,
+        };
+        assert_eq!(log.enforce_retention("t", 0, by_size, 5, 0).unwrap(), 5);
+        assert_eq!(log.enforce_retention("t", 0, by_size, 100, 0).unwrap(), 7);
+        let mut out = Vec::new();
+        assert!(matches!(
+            log.read("t", 0, 6, 10, &mut out),
+            Err(LogError::OffsetOutOfRange { earliest: 7, .. })
+        ));
+        // By age: at now = 1_009 with 1 ms, timestamps below 1_008 go.
+        let by_age = Retention {
+            max_bytes: None,
+            max_age_ms: Some(1),
+        };
+        assert_eq!(log.enforce_retention("t", 0, by_age, 100, 1_009).unwrap(), 8);
+        assert_eq!(log.end_offset("t", 0).unwrap(), 10);
     }
 
     #[test]

@@ -78,6 +78,36 @@ pub enum LogError {
     },
     #[error("log unavailable: {0}")]
     Unavailable(String),
+    /// The data on disk cannot be read or written: corrupt, unreadable, full.
+    #[error("data file {path}: {message}")]
+    Storage { path: String, message: String },
+}
+
+/// How long a topic keeps its records. Records are removed oldest first, and
+/// only below the offset every consumer still needs (`keep_from`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Retention {
+    /// Per partition: remove the oldest records while the partition holds more bytes than this.
+    pub max_bytes: Option<u64>,
+    /// Remove records whose timestamp is older than this many milliseconds.
+    pub max_age_ms: Option<u64>,
+}
+
+impl Retention {
+    pub fn is_unlimited(&self) -> bool {
+        self.max_bytes.is_none() && self.max_age_ms.is_none()
+    }
+}
+
+/// Bytes a record counts for in `Retention::max_bytes`: key, value, header
+/// names and values, plus a fixed 16 for offset and timestamp.
+pub fn record_size(key: Option<&[u8]>, value: &[u8], headers: &[(String, Bytes)]) -> u64 {
+    16 + key.map_or(0, |k| k.len() as u64)
+        + value.len() as u64
+        + headers
+            .iter()
+            .map(|(name, v)| (name.len() + v.len()) as u64)
+            .sum::<u64>()
 }
 
 /// Called with (topic, partition) after records are appended, so waiting
@@ -120,4 +150,15 @@ pub trait Log: Send + Sync + 'static {
 
     /// Registers a listener called after every append.
     fn add_append_listener(&self, listener: AppendListener);
+
+    /// Removes the oldest records of a partition that `retention` no longer
+    /// keeps, never one at or after `keep_from`; answers the new start offset.
+    fn enforce_retention(
+        &self,
+        topic: &str,
+        partition: u32,
+        retention: Retention,
+        keep_from: u64,
+        now_ms: i64,
+    ) -> Result<u64, LogError>;
 }

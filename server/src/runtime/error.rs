@@ -46,6 +46,11 @@ pub enum RuntimeError {
         earliest: u64,
     },
 
+    /// The data dir cannot be read or written (corrupt, unreadable, full).
+    /// At start this stops the server (exit code 2); it is never reset silently.
+    #[error("data file {path}: {message}")]
+    Storage { path: String, message: String },
+
     /// Anything unexpected; the message is for logs, not for clients.
     #[error("internal error: {0}")]
     Internal(String),
@@ -89,6 +94,7 @@ impl From<LogError> for RuntimeError {
                 reason,
                 retry_after: Duration::from_millis(500),
             },
+            LogError::Storage { path, message } => RuntimeError::Storage { path, message },
         }
     }
 }
