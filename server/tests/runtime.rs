@@ -285,7 +285,7 @@ fn a_crashed_thread_is_replaced_and_processing_completes_exactly_once() {
 }
 
 #[test]
-fn shutdown_commits_the_watermark_and_a_restart_resumes_after_it() {
+fn shutdown_commits_the_watermark_and_a_restart_restores_the_memory_store_then_resumes() {
     let log = MemoryLog::new();
     let app = StreamsApp::builder(config(2, 1, ProcessingOrder::Offset, 2, "count"))
         .log(log.clone())
@@ -311,10 +311,23 @@ fn shutdown_commits_the_watermark_and_a_restart_resumes_after_it() {
         .processor("count", Arc::new(taskstream_server::processor::Count))
         .start()
         .unwrap();
+    // The memory store is rebuilt from the log up to the committed watermark…
+    assert!(app.wait_until_caught_up(WAIT));
+    assert_eq!(app.get("p", b"k0").unwrap().unwrap(), "1000");
+    let task = app
+        .describe()
+        .tasks
+        .into_iter()
+        .find(|t| t.end_offset > 0)
+        .unwrap();
+    assert_eq!(
+        task.records_processed, 0,
+        "restoring is not processing: no outcomes"
+    );
+    // …and processing resumes after it, each record applied once.
     app.produce("in", keyed(300, 1)).unwrap();
     assert!(app.wait_until_caught_up(WAIT));
-    // The new app's store only saw what came after the committed watermark.
-    assert_eq!(app.get("p", b"k0").unwrap().unwrap(), "300");
+    assert_eq!(app.get("p", b"k0").unwrap().unwrap(), "1300");
 }
 
 #[test]

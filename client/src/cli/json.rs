@@ -45,6 +45,7 @@ pub fn task(task: &v1::TaskMetadata) -> Value {
         "retry_backlog": task.retry_backlog,
         "records_processed": task.records_processed,
         "records_failed": task.records_failed,
+        "records_dead_lettered": task.records_dead_lettered,
     })
 }
 
@@ -163,6 +164,12 @@ pub fn describe(response: &v1::DescribeRuntimeResponse) -> Value {
                 "processing_order": enum_name(p.processing_order().as_str_name()),
                 "threads_per_task": p.threads_per_task,
                 "store": p.store,
+                "store_kind": p.store_kind,
+                "retry_policy": p.retry_policy,
+                "retry_topic": p.retry_topic,
+                "dead_letter_topic": p.dead_letter_topic,
+                "retry_backlog": p.retry_backlog,
+                "dead_lettered": p.dead_lettered,
             })
         })
         .collect();
@@ -172,6 +179,7 @@ pub fn describe(response: &v1::DescribeRuntimeResponse) -> Value {
         "state": enum_name(response.state().as_str_name()),
         "num_stream_threads": response.num_stream_threads,
         "num_reserve_threads": response.num_reserve_threads,
+        "num_retry_threads": response.num_retry_threads,
         "threads": threads,
         "pipelines": pipelines,
         "tasks": response.tasks.iter().map(task).collect::<Vec<_>>(),

@@ -217,12 +217,13 @@ pub fn produce(response: &v1::ProduceResponse) -> String {
 
 pub fn describe(response: &v1::DescribeRuntimeResponse) -> String {
     let mut out = format!(
-        "application {}  host {}  state {}  stream threads {} ({} in reserve)\n\n",
+        "application {}  host {}  state {}  stream threads {} ({} in reserve, {} on retries)\n\n",
         response.application_id,
         host(response.host_info.as_ref()),
         enum_name(response.state().as_str_name()),
         response.num_stream_threads,
         response.num_reserve_threads,
+        response.num_retry_threads,
     );
     let mut threads = Table::new(&["THREAD", "STATE", "CURRENT TASK", "OWNED TASKS", "PROCESSED"]);
     for thread in &response.threads {
@@ -244,6 +245,9 @@ pub fn describe(response: &v1::DescribeRuntimeResponse) -> String {
         "ORDER",
         "T",
         "STORE",
+        "RETRY POLICY",
+        "RETRY BACKLOG",
+        "DEAD-LETTERED",
     ]);
     for p in &response.pipelines {
         pipelines.row(vec![
@@ -253,7 +257,10 @@ pub fn describe(response: &v1::DescribeRuntimeResponse) -> String {
             p.processor.clone(),
             enum_name(p.processing_order().as_str_name()),
             p.threads_per_task.to_string(),
-            p.store.clone(),
+            format!("{} ({})", p.store, p.store_kind),
+            p.retry_policy.clone(),
+            p.retry_backlog.to_string(),
+            p.dead_lettered.to_string(),
         ]);
     }
     out.push_str(&pipelines.render());

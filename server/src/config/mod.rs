@@ -101,6 +101,15 @@ pub enum RetryPolicy {
     Blocking,
 }
 
+impl RetryPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RetryPolicy::RetryTopic => "retry_topic",
+            RetryPolicy::Blocking => "blocking",
+        }
+    }
+}
+
 /// Latency of the `simulate` processor: a fixed number of milliseconds, or a
 /// `[low, high]` range drawn uniformly per record.
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]

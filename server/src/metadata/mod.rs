@@ -53,6 +53,7 @@ pub struct TaskMetadata {
     pub retry_backlog: u64,
     pub records_processed: u64,
     pub records_failed: u64,
+    pub records_dead_lettered: u64,
 }
 
 /// What one instance hosts, as Kafka Streams' StreamsMetadata, plus its tasks.
@@ -105,6 +106,8 @@ pub enum ThreadState {
     Reserve,
     /// Finishing its range before it stops.
     Stopping,
+    /// Lent to drain a retry topic.
+    Retry,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -126,6 +129,14 @@ pub struct PipelineMetadata {
     pub processing_order: ProcessingOrder,
     pub threads_per_task: u32,
     pub store: String,
+    pub store_kind: crate::config::StoreKind,
+    pub retry_policy: crate::config::RetryPolicy,
+    pub retry_topic: String,
+    pub dead_letter_topic: String,
+    /// Records of all partitions waiting in the retry topic for a final outcome.
+    pub retry_backlog: u64,
+    /// Records in the dead-letter topic.
+    pub dead_lettered: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,6 +155,8 @@ pub struct RuntimeDescription {
     pub state: AppState,
     pub num_stream_threads: u32,
     pub num_reserve_threads: u32,
+    /// Threads lent to retry topics at this instant.
+    pub num_retry_threads: u32,
     pub threads: Vec<ThreadMetadata>,
     pub pipelines: Vec<PipelineMetadata>,
     pub tasks: Vec<TaskMetadata>,
@@ -153,7 +166,8 @@ pub struct RuntimeDescription {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Outcome {
     Processed,
-    /// The processor failed; the retry topic is the seam for a later stage.
+    /// The processor failed and the record could not be sent to the retry
+    /// path (the log refused it); final, so nothing waits for it.
     Failed,
     Retrying,
     DeadLettered,

@@ -17,6 +17,16 @@ pub struct ProcessorContext<'a> {
     pub attempt: u32,
     /// The task's state store.
     pub store: &'a dyn KeyValueStore,
+    /// When `processing_timeout_ms` runs out for this call. A processor past
+    /// it has failed whatever it returns, so it should stop and write nothing.
+    pub deadline: Option<Instant>,
+}
+
+impl ProcessorContext<'_> {
+    /// Whether the deadline has passed.
+    pub fn is_expired(&self) -> bool {
+        self.deadline.is_some_and(|d| Instant::now() >= d)
+    }
 }
 
 /// A failed record: a short error type and a human message.
@@ -201,7 +211,21 @@ impl Processor for Simulate {
             Some(LatencySpec::Uniform([low, high])) => low + (high - low) * unit_draw(draw),
         };
         if latency_ms > 0.0 {
-            std::thread::sleep(Duration::from_secs_f64(latency_ms / 1000.0));
+            let latency = Duration::from_secs_f64(latency_ms / 1000.0);
+            // A call that would outlive its deadline stops there, before writing.
+            if let Some(deadline) = ctx.deadline
+                && Instant::now() + latency > deadline
+            {
+                std::thread::sleep(deadline.saturating_duration_since(Instant::now()));
+                return Err(ProcessError::new(
+                    "Timeout",
+                    format!(
+                        "offset {} needed {latency_ms} ms, past its deadline",
+                        record.offset
+                    ),
+                ));
+            }
+            std::thread::sleep(latency);
         }
         if self.cpu_work_us > 0 {
             std::hint::black_box(cpu_hash(self.cpu_work_us * hash_rounds_per_us(), draw));
@@ -246,6 +270,7 @@ mod tests {
             partition: 0,
             attempt: 1,
             store,
+            deadline: None,
         }
     }
 
@@ -288,6 +313,7 @@ mod tests {
                 partition: 0,
                 attempt,
                 store: &store,
+                deadline: None,
             };
             let result = sim.process(&record("k", "v", offset), &ctx);
             assert_eq!(result.is_ok(), attempt == 3, "attempt {attempt}");

@@ -5,22 +5,24 @@
 //! records), never per record; processors run outside it.
 
 mod error;
+pub mod retry;
 mod sequencer;
+mod stores;
 mod task;
 mod threads;
 
 pub use error::RuntimeError;
 
-use crate::config::{CommitMode, Config, ProcessingOrder};
-use crate::log::{Log, MemoryLog, ProducerRecord, RecordPosition, partition_for_key};
+use crate::config::{CommitMode, Config, ProcessingOrder, RetryPolicy, StoreKind};
+use crate::log::{Log, MemoryLog, ProducerRecord, RecordPosition, RedbLog, Retention, partition_for_key};
 use crate::metadata::*;
 use crate::processor::{self, Processor};
-use crate::store::{KeyValueStore, MemoryStore};
 use bytes::Bytes;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak, mpsc};
 use std::time::{Duration, Instant};
+use stores::{Restore, TaskStore};
 use task::Task;
 use threads::ThreadSlot;
 use tokio::sync::broadcast;
@@ -44,7 +46,14 @@ pub(crate) struct CommitItem {
     pipeline: usize,
     partition: u32,
     offset: u64,
+    /// The retry-topic watermark committed with it.
+    retry_offset: u64,
+    /// Committed with the store's data (persistent) or to the log (memory).
+    persistent: bool,
 }
+
+/// How often retention is enforced (at a commit round).
+const RETENTION_INTERVAL: Duration = Duration::from_secs(1);
 
 /// A pipeline as it runs: immutable after start.
 pub(crate) struct PipelineRuntime {
@@ -55,7 +64,11 @@ pub(crate) struct PipelineRuntime {
     threads_per_task: usize,
     processor: Arc<dyn Processor>,
     processor_name: String,
-    stores: Vec<Arc<dyn KeyValueStore>>,
+    store_kind: StoreKind,
+    retry_policy: RetryPolicy,
+    retry_topic: Arc<str>,
+    dead_letter_topic: Arc<str>,
+    stores: Vec<TaskStore>,
     /// Index of partition 0's task in `Sched::tasks`.
     first_task: usize,
 }
@@ -67,6 +80,7 @@ pub(crate) struct Sched {
     /// Per pipeline; `None` once shut down, which ends every subscription.
     senders: Vec<Option<broadcast::Sender<Arc<OutcomeBatch>>>>,
     next_commit_at: Instant,
+    next_retention_at: Instant,
     committing: bool,
     /// Threads waiting for work (so wake-ups are skipped when nobody waits).
     idle: usize,
@@ -132,17 +146,21 @@ impl Sched {
         }
     }
 
+    /// Commits of memory-store tasks whose watermarks moved (persistent ones
+    /// commit at a quiescent moment instead). Restoring tasks have nothing new.
     fn commit_items(&self) -> Vec<CommitItem> {
         self.tasks
             .iter()
             .enumerate()
-            .filter(|(_, t)| t.seq.watermark() != t.committed)
+            .filter(|(_, t)| !t.persistent && t.restore.is_none() && t.has_uncommitted())
             .map(|(i, t)| CommitItem {
                 task: i,
                 task_id: t.id.clone(),
                 pipeline: t.pipeline,
                 partition: t.partition,
                 offset: t.seq.watermark(),
+                retry_offset: t.retry.seq.watermark(),
+                persistent: false,
             })
             .collect()
     }
@@ -191,11 +209,19 @@ impl Shared {
         match self.app_state() {
             AppState::Running => Ok(()),
             AppState::Starting => Err(RuntimeError::Unavailable {
-                reason: "the instance is starting".to_string(),
+                reason: "the instance is starting (restoring its state stores)".to_string(),
                 retry_after: Duration::from_millis(200),
             }),
             AppState::ShuttingDown | AppState::Stopped => Err(RuntimeError::shutting_down()),
         }
+    }
+
+    /// A task's live watermark, and where it started (the position of a
+    /// store that has never committed).
+    fn positions(&self, task: usize) -> (u64, u64) {
+        let s = self.lock();
+        let task = &s.tasks[task];
+        (task.seq.watermark(), task.history_start)
     }
 
     fn pipeline_index(&self, store: &str) -> Result<usize, RuntimeError> {
@@ -218,7 +244,11 @@ impl Shared {
             pipeline: pipeline.name.to_string(),
             topic: pipeline.topic.to_string(),
             partition: task.partition,
-            state: TaskState::Running,
+            state: if task.restore.is_some() {
+                TaskState::Restoring
+            } else {
+                TaskState::Running
+            },
             owner_thread: s.threads[task.owner].name.to_string(),
             helper_threads: s
                 .threads
@@ -234,9 +264,74 @@ impl Shared {
             end_offset,
             lag: end_offset.saturating_sub(watermark),
             in_flight: task.seq.in_flight() as u64,
-            retry_backlog: 0,
+            retry_backlog: self.retry_backlog(task),
             records_processed: task.records_processed,
             records_failed: task.records_failed,
+            records_dead_lettered: task.records_dead_lettered,
+        }
+    }
+
+    /// Records of a task's retry-topic partition without a final outcome.
+    fn retry_backlog(&self, task: &Task) -> u64 {
+        let pipeline = &self.pipelines[task.pipeline];
+        let end = self
+            .log
+            .end_offset(&pipeline.retry_topic, task.partition)
+            .unwrap_or(0);
+        task.retry.backlog(end)
+    }
+
+    /// Which records each topic partition must keep, for `enforce_retention`:
+    /// a configured topic keeps what its slowest pipeline has not committed; a
+    /// retry topic keeps only what is not final and committed.
+    fn retention_plan(&self, s: &Sched) -> Vec<(Arc<str>, u32, Retention, u64)> {
+        let mut plan = Vec::new();
+        for topic in &self.config.topics {
+            let retention = Retention {
+                max_bytes: topic.log_retention_bytes,
+                max_age_ms: topic.log_retention_ms,
+            };
+            if retention.is_unlimited() {
+                continue;
+            }
+            for partition in 0..self.log.partitions(&topic.name).unwrap_or(0) {
+                let keep_from = s
+                    .tasks
+                    .iter()
+                    .filter(|t| t.partition == partition && *self.pipelines[t.pipeline].topic == *topic.name)
+                    .map(|t| t.committed)
+                    .min()
+                    .unwrap_or(u64::MAX);
+                plan.push((Arc::from(topic.name.as_str()), partition, retention, keep_from));
+            }
+        }
+        for task in &s.tasks {
+            let everything = Retention {
+                max_bytes: Some(0),
+                max_age_ms: None,
+            };
+            let topic = self.pipelines[task.pipeline].retry_topic.clone();
+            plan.push((topic, task.partition, everything, task.retry.committed));
+        }
+        plan
+    }
+
+    fn enforce_retention(&self, plan: Vec<(Arc<str>, u32, Retention, u64)>) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as i64)
+            .unwrap_or(0);
+        for (topic, partition, retention, keep_from) in plan {
+            let start = self.log.start_offset(&topic, partition).unwrap_or(0);
+            if keep_from <= start {
+                continue;
+            }
+            if let Err(e) = self
+                .log
+                .enforce_retention(&topic, partition, retention, keep_from, now)
+            {
+                tracing::warn!(topic = %topic, partition, error = %e, "retention failed");
+            }
         }
     }
 
@@ -267,9 +362,16 @@ impl Shared {
     fn on_append(&self, topic: &str, partition: u32) {
         let mut s = self.lock();
         let mut any = false;
-        for pipeline in self.pipelines.iter().filter(|p| &*p.topic == topic) {
-            if partition < pipeline.partitions {
-                s.tasks[pipeline.first_task + partition as usize].append_gen += 1;
+        for pipeline in &self.pipelines {
+            if partition >= pipeline.partitions {
+                continue;
+            }
+            let task = &mut s.tasks[pipeline.first_task + partition as usize];
+            if *pipeline.topic == *topic {
+                task.append_gen += 1;
+                any = true;
+            } else if *pipeline.retry_topic == *topic {
+                task.retry.append_gen += 1;
                 any = true;
             }
         }
@@ -308,7 +410,18 @@ impl Shared {
         if let Some(committer) = self.committer.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = committer.join();
         }
-        let items = self.lock().commit_items();
+        let items = {
+            let mut s = self.lock();
+            let mut items = s.commit_items();
+            for t in 0..s.tasks.len() {
+                if s.tasks[t].persistent && s.tasks[t].restore.is_none() && s.tasks[t].has_uncommitted() {
+                    // Every thread is gone: each task is quiescent.
+                    s.tasks[t].commit_pending = true;
+                    items.extend(self.freeze_if_quiescent(&mut s, t));
+                }
+            }
+            items
+        };
         self.apply_commits(&items);
         for sender in self.lock().senders.iter_mut() {
             sender.take();
@@ -360,19 +473,26 @@ impl AppBuilder {
         config.validate()?;
         let (host, port) = crate::config::parse_host_port(&config.application_server)
             .map_err(|m| crate::config::ConfigError::new("application_server", m))?;
-        let log: Arc<dyn Log> = match self.log {
-            Some(log) => log,
-            None => MemoryLog::new(),
+        let log: Arc<dyn Log> = match (self.log, &config.data_dir) {
+            (Some(log), _) => log,
+            (None, Some(dir)) => RedbLog::open(dir)?,
+            (None, None) => MemoryLog::new(),
         };
         for (topic, partitions) in config.topic_partitions()? {
-            log.ensure_topic(&topic, partitions).map_err(|e| {
-                crate::config::ConfigError::new("topics", format!("{e}; the log already holds this topic"))
+            log.ensure_topic(&topic, partitions).map_err(|e| match e {
+                crate::log::LogError::PartitionCountMismatch { .. } => crate::config::ConfigError::new(
+                    "topics",
+                    format!("{e}; the log already holds this topic"),
+                )
+                .into(),
+                other => RuntimeError::from(other),
             })?;
         }
 
         let mut pipelines = Vec::new();
         let mut tasks = Vec::new();
         let n = config.num_stream_threads;
+        let group = config.application_id.as_str();
         for (index, pipeline) in config.pipelines.iter().enumerate() {
             // A processor registered in code wins over a built-in of the same name.
             let registered = self.processors.get(pipeline.processor.name()).cloned();
@@ -391,27 +511,88 @@ impl AppBuilder {
                 }
             };
             let partitions = log.partitions(&pipeline.source_topic)?;
+            let retry_topic = config.retry_topic(&pipeline.name);
+            let dead_letter_topic = config.dead_letter_topic(&pipeline.name);
+            for internal in [&retry_topic, &dead_letter_topic] {
+                log.ensure_topic(internal, partitions)?;
+            }
             let effective = config.effective_order(pipeline);
+            let store_kind = config.store_kind(pipeline);
             let first_task = tasks.len();
+            let mut stores = Vec::new();
             for partition in 0..partitions {
-                let committed = log.committed(&config.application_id, &pipeline.source_topic, partition)?;
-                let earliest = log.start_offset(&pipeline.source_topic, partition)?;
-                let start = committed.unwrap_or(earliest).max(earliest);
                 let id: Arc<str> = format!("{}_{}", pipeline.name, partition).into();
-                let owner = tasks.len() % n;
-                tasks.push(Task::new(
+                let store = match (store_kind, &config.data_dir) {
+                    (StoreKind::Persistent, Some(dir)) => TaskStore::open_persistent(dir, group, &id)
+                        .map_err(|e| RuntimeError::Storage {
+                            path: e.path,
+                            message: e.message,
+                        })?,
+                    _ => TaskStore::memory(),
+                };
+                let earliest = log.start_offset(&pipeline.source_topic, partition)?;
+                let retry_earliest = log.start_offset(&retry_topic, partition)?;
+                let retry_end = log.end_offset(&retry_topic, partition)?;
+                // Where to resume: a persistent store's own checkpoint (committed
+                // with its data); else the log's committed offsets.
+                let (committed, retry_committed) = match store.persistent() {
+                    Some(_) => match store.checkpoint() {
+                        Some(c) => (Some(c.watermark), Some(c.retry_offset)),
+                        None => (None, None),
+                    },
+                    None => (
+                        log.committed(group, &pipeline.source_topic, partition)?,
+                        log.committed(group, &retry_topic, partition)?,
+                    ),
+                };
+                let start = committed.unwrap_or(earliest).max(earliest);
+                let retry_start = retry_committed.unwrap_or(retry_earliest).max(retry_earliest);
+                let keyed = effective.order == ProcessingOrder::Key;
+                let mut task = Task::new(
                     id,
                     index,
                     partition,
                     effective.order,
                     effective.threads_per_task,
-                    owner,
+                    (first_task + partition as usize) % n,
                     start,
                     committed.unwrap_or(0),
                     config.max_batch_records,
                     config.max_in_flight_records,
                     config.outcome_retention_records,
-                ));
+                    retry::RetryQueue::new(retry_start, keyed, config.max_in_flight_records),
+                );
+                task.persistent = store.persistent().is_some();
+                task.retry.committed = retry_committed.unwrap_or(retry_start);
+                // Records still on the retry path: their keys stay parked, and a
+                // replay of the source leaves them to the retry path.
+                let mut pending_sources = HashSet::new();
+                let mut from = retry_start;
+                while from < retry_end {
+                    let mut records = Vec::new();
+                    log.read(&retry_topic, partition, from, 10_000, &mut records)?;
+                    let Some(last) = records.last() else { break };
+                    from = last.offset + 1;
+                    for record in records {
+                        let item = retry::decode(record, |_, _| Duration::ZERO);
+                        if keyed && let Some(key) = &item.record.key {
+                            task.parked.add(key, false);
+                        }
+                        pending_sources.insert(item.record.offset);
+                    }
+                }
+                // A memory store is rebuilt from what the log retains, up to the
+                // committed watermark, before the task runs.
+                if !task.persistent && start > earliest {
+                    task.restore = Some(Restore {
+                        next: earliest,
+                        until: start,
+                        skip: pending_sources,
+                        busy: false,
+                    });
+                }
+                tasks.push(task);
+                stores.push(store);
             }
             pipelines.push(PipelineRuntime {
                 name: pipeline.name.as_str().into(),
@@ -421,12 +602,15 @@ impl AppBuilder {
                 threads_per_task: effective.threads_per_task,
                 processor,
                 processor_name: pipeline.processor.name().to_string(),
-                stores: (0..partitions)
-                    .map(|_| Arc::new(MemoryStore::new()) as Arc<dyn KeyValueStore>)
-                    .collect(),
+                store_kind,
+                retry_policy: config.retry_policy(pipeline),
+                retry_topic: retry_topic.into(),
+                dead_letter_topic: dead_letter_topic.into(),
+                stores,
                 first_task,
             });
         }
+        let restoring = tasks.iter().any(|t| t.restore.is_some());
 
         let senders = pipelines
             .iter()
@@ -441,6 +625,7 @@ impl AppBuilder {
                 threads: Vec::new(),
                 senders,
                 next_commit_at: Instant::now() + Duration::from_millis(config.commit_interval_ms),
+                next_retention_at: Instant::now() + RETENTION_INTERVAL,
                 committing: false,
                 idle: 0,
                 stopping: false,
@@ -484,8 +669,11 @@ impl AppBuilder {
                 let slot = s.new_thread_slot(&shared.config.application_id);
                 threads::spawn_thread(&shared, &mut s, slot);
             }
+            // Restoring: calls answer UNAVAILABLE until the last store is rebuilt.
+            if !restoring || s.tasks.iter().all(|t| t.restore.is_none()) {
+                shared.set_state(AppState::Running);
+            }
         }
-        shared.set_state(AppState::Running);
         Ok(StreamsApp {
             inner: Arc::new(AppInner { shared }),
         })
@@ -607,17 +795,14 @@ impl StreamsApp {
         shared.ensure_running()?;
         let pipeline = &shared.pipelines[shared.pipeline_index(store)?];
         let partition = key_partition(pipeline, key)?;
-        let position = shared.lock().tasks[pipeline.first_task + partition as usize]
-            .seq
-            .watermark();
-        let entries = pipeline.stores[partition as usize]
-            .get(key)
-            .map(|v| vec![(Bytes::copy_from_slice(key), v)])
-            .unwrap_or_default();
+        let (live, start) = shared.positions(pipeline.first_task + partition as usize);
+        let read = pipeline.stores[partition as usize]
+            .read(Some(key), Some(key), 1, live, start)
+            .map_err(storage_error)?;
         Ok(PartitionQueryResult {
             partition,
-            position,
-            entries,
+            position: read.position,
+            entries: read.entries,
         })
     }
 
@@ -642,22 +827,20 @@ impl StreamsApp {
             ));
         }
         let partitions = check_partitions(pipeline, partitions)?;
-        let positions: Vec<u64> = {
-            let s = shared.lock();
-            partitions
-                .iter()
-                .map(|&p| s.tasks[pipeline.first_task + p as usize].seq.watermark())
-                .collect()
-        };
-        Ok(partitions
+        partitions
             .into_iter()
-            .zip(positions)
-            .map(|(partition, position)| PartitionQueryResult {
-                partition,
-                position,
-                entries: pipeline.stores[partition as usize].range(from, to, limit),
+            .map(|partition| {
+                let (live, start) = shared.positions(pipeline.first_task + partition as usize);
+                let read = pipeline.stores[partition as usize]
+                    .read(from, to, limit, live, start)
+                    .map_err(storage_error)?;
+                Ok(PartitionQueryResult {
+                    partition,
+                    position: read.position,
+                    entries: read.entries,
+                })
             })
-            .collect())
+            .collect()
     }
 
     /// Subscribes to the record outcomes of `store`: retained history from the
@@ -681,20 +864,26 @@ impl StreamsApp {
             check_partitions(pipeline, &offsets.keys().copied().collect::<Vec<_>>())?;
             partitions.retain(|p| offsets.contains_key(p));
         }
+        // Outcomes exist only for what the log still retains.
+        let log_starts: Vec<u64> = partitions
+            .iter()
+            .map(|&p| shared.log.start_offset(&pipeline.topic, p))
+            .collect::<Result<_, _>>()?;
         let s = shared.lock();
         let mut ranges = Vec::new();
-        for &partition in &partitions {
+        for (&partition, &log_start) in partitions.iter().zip(&log_starts) {
             let task = &s.tasks[pipeline.first_task + partition as usize];
+            let floor = task.history.floor.max(log_start);
             let start = match &request.start {
                 StartAt::Latest => task.seq.watermark(),
-                StartAt::Earliest => task.history.floor,
+                StartAt::Earliest => floor,
                 StartAt::Offsets(offsets) => {
                     let start = offsets[&partition];
-                    if start < task.history.floor {
+                    if start < floor {
                         return Err(RuntimeError::OffsetOutOfRange {
                             partition,
                             requested: start,
-                            earliest: task.history.floor,
+                            earliest: floor,
                         });
                     }
                     start
@@ -737,10 +926,17 @@ impl StreamsApp {
         drop(s);
         let weak = Arc::downgrade(&self.inner.shared);
         let first_task = pipeline.first_task;
+        // Below this, every record has its final outcome (retries included).
         let watermark_of = move |partition: u32| -> Option<u64> {
             let shared = weak.upgrade()?;
             let s = shared.lock();
-            Some(s.tasks[first_task + partition as usize].seq.watermark())
+            let task = &s.tasks[first_task + partition as usize];
+            let watermark = task.seq.watermark();
+            Some(
+                task.retry
+                    .lowest_pending_source()
+                    .map_or(watermark, |p| p.min(watermark)),
+            )
         };
         Ok(OutcomeSubscription::new(
             ranges,
@@ -763,6 +959,8 @@ impl StreamsApp {
                 name: t.name.to_string(),
                 state: if t.stopping {
                     ThreadState::Stopping
+                } else if t.on_retry {
+                    ThreadState::Retry
                 } else {
                     match t.current {
                         Some(task) if s.tasks[task].owner == i => ThreadState::Owner,
@@ -786,6 +984,7 @@ impl StreamsApp {
             state: shared.app_state(),
             num_stream_threads: s.live_threads().len() as u32,
             num_reserve_threads: threads.iter().filter(|t| t.state == ThreadState::Reserve).count() as u32,
+            num_retry_threads: threads.iter().filter(|t| t.state == ThreadState::Retry).count() as u32,
             threads,
             pipelines: shared
                 .pipelines
@@ -798,6 +997,26 @@ impl StreamsApp {
                     processing_order: p.order,
                     threads_per_task: p.threads_per_task as u32,
                     store: p.name.to_string(),
+                    store_kind: p.store_kind,
+                    retry_policy: p.retry_policy,
+                    retry_topic: p.retry_topic.to_string(),
+                    dead_letter_topic: p.dead_letter_topic.to_string(),
+                    retry_backlog: (p.first_task..p.first_task + p.partitions as usize)
+                        .map(|t| shared.retry_backlog(&s.tasks[t]))
+                        .sum(),
+                    dead_lettered: (0..p.partitions)
+                        .map(|partition| {
+                            let end = shared
+                                .log
+                                .end_offset(&p.dead_letter_topic, partition)
+                                .unwrap_or(0);
+                            let start = shared
+                                .log
+                                .start_offset(&p.dead_letter_topic, partition)
+                                .unwrap_or(0);
+                            end - start.min(end)
+                        })
+                        .sum(),
                 })
                 .collect(),
             tasks: (0..s.tasks.len()).map(|t| shared.task_metadata(&s, t)).collect(),
@@ -888,8 +1107,9 @@ impl StreamsApp {
         Ok(())
     }
 
-    /// Blocks until every task's watermark reaches its partition's end offset,
-    /// or `timeout` passes; returns whether it did. For tests and tools.
+    /// Blocks until every store is restored, every task's watermark reaches its
+    /// partition's end offset and every retry has its final outcome, or
+    /// `timeout` passes; returns whether it did. For tests and tools.
     pub fn wait_until_caught_up(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         loop {
@@ -898,7 +1118,9 @@ impl StreamsApp {
                 let s = shared.lock();
                 s.tasks.iter().all(|t| {
                     let topic = &shared.pipelines[t.pipeline].topic;
-                    shared.log.end_offset(topic, t.partition).unwrap_or(0) <= t.seq.watermark()
+                    t.restore.is_none()
+                        && shared.log.end_offset(topic, t.partition).unwrap_or(0) <= t.seq.watermark()
+                        && shared.retry_backlog(t) == 0
                 })
             };
             if caught_up {
@@ -909,6 +1131,13 @@ impl StreamsApp {
             }
             std::thread::sleep(Duration::from_millis(2));
         }
+    }
+}
+
+fn storage_error(e: crate::store::StoreError) -> RuntimeError {
+    RuntimeError::Storage {
+        path: e.path,
+        message: e.message,
     }
 }
 

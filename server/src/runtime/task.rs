@@ -2,7 +2,9 @@
 //! work ready to run (ranges, or per-key lanes in `key` order), the sequencer,
 //! the outcome history kept for streams that start in the past, and counters.
 
+use super::retry::{ParkedKeys, RetryQueue};
 use super::sequencer::Sequencer;
+use super::stores::Restore;
 use crate::config::ProcessingOrder;
 use crate::log::Record;
 use crate::metadata::OutcomeBatch;
@@ -70,7 +72,20 @@ pub(crate) struct Task {
     pub(crate) committed: u64,
     pub(crate) records_processed: u64,
     pub(crate) records_failed: u64,
+    pub(crate) records_dead_lettered: u64,
     pub(crate) history: History,
+    /// The store is persistent: commits wait for a quiescent moment (below).
+    pub(crate) persistent: bool,
+    /// A commit of a persistent store is due: no new work starts (in `key`
+    /// order, no new fetch) until the task is quiescent and its state frozen.
+    pub(crate) commit_pending: bool,
+    pub(crate) retry: RetryQueue,
+    /// `key` order: keys with a record on the retry path.
+    pub(crate) parked: Arc<ParkedKeys>,
+    /// The watermark the task started from.
+    pub(crate) history_start: u64,
+    /// A memory store being rebuilt; the task does nothing else meanwhile.
+    pub(crate) restore: Option<Restore>,
     max_batch_records: usize,
     max_in_flight_records: usize,
 }
@@ -89,6 +104,7 @@ impl Task {
         max_batch_records: usize,
         max_in_flight_records: usize,
         history_limit: usize,
+        retry: RetryQueue,
     ) -> Task {
         let lanes = if order == ProcessingOrder::Key {
             (0..threads_per_task * 4).map(|_| Lane::default()).collect()
@@ -113,6 +129,13 @@ impl Task {
             committed,
             records_processed: 0,
             records_failed: 0,
+            records_dead_lettered: 0,
+            persistent: false,
+            commit_pending: false,
+            retry,
+            parked: Arc::new(ParkedKeys::default()),
+            restore: None,
+            history_start: start,
             history: History {
                 batches: VecDeque::new(),
                 records: 0,
@@ -130,11 +153,33 @@ impl Task {
     }
 
     pub(crate) fn can_fetch(&self) -> bool {
-        !self.fetching && self.append_gen != self.fetched_gen && self.fetch_capacity() > 0
+        !self.fetching
+            && self.restore.is_none()
+            && !self.commit_pending
+            && self.append_gen != self.fetched_gen
+            && self.fetch_capacity() > 0
+    }
+
+    /// Whether new work may start: not while restoring, nor while a commit
+    /// waits for quiescence (except `key` lanes, which drain what is fetched).
+    fn may_start(&self) -> bool {
+        self.restore.is_none() && (!self.commit_pending || self.order == ProcessingOrder::Key)
+    }
+
+    /// No processor of the task runs, and every record its store has seen is
+    /// below the watermark: the moment a persistent store's state is exactly
+    /// the watermark's and may be frozen for a commit.
+    pub(crate) fn quiescent(&self) -> bool {
+        self.active == 0
+            && self.retry.in_progress == 0
+            && (self.order != ProcessingOrder::Key || self.seq.in_flight() == 0)
     }
 
     /// Units that could start now (ignoring the thread limit).
     pub(crate) fn startable_units(&self) -> usize {
+        if !self.may_start() {
+            return 0;
+        }
         if self.order == ProcessingOrder::Key {
             self.lanes
                 .iter()
@@ -151,7 +196,7 @@ impl Task {
 
     /// Takes the next unit, if the thread limit and the order allow one.
     pub(crate) fn take_unit(&mut self) -> Option<WorkUnit> {
-        if !self.has_room() {
+        if !self.has_room() || !self.may_start() {
             return None;
         }
         let unit = if self.order == ProcessingOrder::Key {
@@ -222,6 +267,30 @@ impl Task {
         }
     }
 
+    /// Whether a watermark moved since the last commit.
+    pub(crate) fn has_uncommitted(&self) -> bool {
+        self.seq.watermark() != self.committed || self.retry.seq.watermark() != self.retry.committed
+    }
+
+    pub(crate) fn history_push(&mut self, batch: Arc<OutcomeBatch>) {
+        self.history.push(batch);
+    }
+
+    /// Adds a batch's outcomes to the task's counters.
+    pub(crate) fn count_outcomes(&mut self, batch: &OutcomeBatch) {
+        use crate::metadata::Outcome;
+        for record in &batch.records {
+            match record.outcome {
+                Outcome::Processed => self.records_processed += 1,
+                Outcome::DeadLettered => self.records_dead_lettered += 1,
+                Outcome::Retrying | Outcome::Failed => {}
+            }
+            if record.outcome != Outcome::Processed && record.attempts > 0 {
+                self.records_failed += 1;
+            }
+        }
+    }
+
     /// Completes a processed unit and publishes what the sequencer releases.
     pub(crate) fn complete(
         &mut self,
@@ -230,13 +299,7 @@ impl Task {
         released: &mut Vec<Arc<OutcomeBatch>>,
     ) {
         self.active -= 1;
-        let failed = batch
-            .records
-            .iter()
-            .filter(|r| r.outcome != crate::metadata::Outcome::Processed)
-            .count();
-        self.records_processed += batch.records.len() as u64;
-        self.records_failed += failed as u64;
+        self.count_outcomes(&batch);
         let batch = Arc::new(batch);
         match lane {
             Some(lane) => {

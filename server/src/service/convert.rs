@@ -65,6 +65,7 @@ pub fn task_metadata(task: &TaskMetadata) -> pb::TaskMetadata {
         retry_backlog: task.retry_backlog,
         records_processed: task.records_processed,
         records_failed: task.records_failed,
+        records_dead_lettered: task.records_dead_lettered,
     }
 }
 
@@ -167,6 +168,7 @@ fn thread_state(state: ThreadState) -> pb::ThreadState {
         ThreadState::Helper => pb::ThreadState::Helper,
         ThreadState::Reserve => pb::ThreadState::Reserve,
         ThreadState::Stopping => pb::ThreadState::Stopping,
+        ThreadState::Retry => pb::ThreadState::Retry,
     }
 }
 
@@ -199,6 +201,12 @@ fn pipeline_metadata(pipeline: &PipelineMetadata) -> pb::PipelineMetadata {
         processing_order: processing_order(pipeline.processing_order) as i32,
         threads_per_task: pipeline.threads_per_task,
         store: pipeline.store.clone(),
+        store_kind: pipeline.store_kind.as_str().to_string(),
+        retry_policy: pipeline.retry_policy.as_str().to_string(),
+        retry_topic: pipeline.retry_topic.clone(),
+        dead_letter_topic: pipeline.dead_letter_topic.clone(),
+        retry_backlog: pipeline.retry_backlog,
+        dead_lettered: pipeline.dead_lettered,
     }
 }
 
@@ -212,6 +220,7 @@ pub fn runtime_description(description: &RuntimeDescription) -> pb::DescribeRunt
         threads: description.threads.iter().map(thread_metadata).collect(),
         pipelines: description.pipelines.iter().map(pipeline_metadata).collect(),
         tasks: description.tasks.iter().map(task_metadata).collect(),
+        num_retry_threads: description.num_retry_threads,
     }
 }
 
