@@ -84,6 +84,8 @@ fn server_command() -> Command {
         }
     }
     command.env("RUST_LOG", "info");
+    // No data dir under the repository: these tests are about config and signals.
+    command.arg("--in-memory");
     command
 }
 

@@ -74,7 +74,25 @@ struct Cli {
     /// Per task: records fetched and not yet released.
     #[arg(long, env = "TASKSTREAM_MAX_IN_FLIGHT_RECORDS", value_name = "N")]
     max_in_flight_records: Option<usize>,
+
+    /// Directory of the persistent log and state stores (created if missing).
+    /// Default for the embedded default: ./taskstream-data; with --config, the
+    /// file's `data_dir` (none: in memory).
+    #[arg(
+        long,
+        env = "TASKSTREAM_DATA_DIR",
+        value_name = "DIR",
+        conflicts_with = "in_memory"
+    )]
+    data_dir: Option<PathBuf>,
+
+    /// Keep the log and stores in memory only: everything is lost on exit.
+    #[arg(long, env = "TASKSTREAM_IN_MEMORY")]
+    in_memory: bool,
 }
+
+/// Where the embedded default keeps its data, under the working directory.
+const DEFAULT_DATA_DIR: &str = "taskstream-data";
 
 fn parse_processing_order(text: &str) -> Result<ProcessingOrder, String> {
     ProcessingOrder::parse(text).ok_or_else(|| "expected one of: offset, key, unordered".to_string())
@@ -98,7 +116,11 @@ struct Settings {
 
 fn load_settings(cli: &Cli) -> Result<Settings, ConfigError> {
     let (mut config, mut application_server_set, source) = match &cli.config {
-        None => (Config::embedded_default(), false, "embedded default".to_string()),
+        None => {
+            let mut config = Config::embedded_default();
+            config.data_dir = Some(PathBuf::from(DEFAULT_DATA_DIR));
+            (config, false, "embedded default".to_string())
+        }
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| ConfigError::new("config", format!("cannot read `{}`: {e}", path.display())))?;
@@ -142,6 +164,15 @@ fn load_settings(cli: &Cli) -> Result<Settings, ConfigError> {
     if let Some(value) = cli.max_in_flight_records {
         config.max_in_flight_records = value;
     }
+    if let Some(value) = &cli.data_dir {
+        config.data_dir = Some(value.clone());
+    }
+    if cli.in_memory {
+        config.data_dir = None;
+        for pipeline in &mut config.pipelines {
+            pipeline.store = None;
+        }
+    }
     parse_host_port(&cli.listen).map_err(|m| {
         ConfigError::new(
             "listen",
@@ -184,9 +215,12 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error:#}");
-            // The runtime validates again at start; a config it rejects is still a config error.
+            // The runtime validates again at start; a config it rejects is still a
+            // config error, and so is a data dir it cannot use: fix it, then restart.
             match error.downcast_ref::<RuntimeError>() {
-                Some(RuntimeError::InvalidConfig(_)) => ExitCode::from(EXIT_INVALID_CONFIG),
+                Some(RuntimeError::InvalidConfig(_) | RuntimeError::Storage { .. }) => {
+                    ExitCode::from(EXIT_INVALID_CONFIG)
+                }
                 _ => ExitCode::FAILURE,
             }
         }
@@ -224,7 +258,10 @@ async fn run(listen: String, settings: Settings) -> anyhow::Result<()> {
         }
     };
 
-    let app = StreamsApp::start(config)?;
+    // Opening the data dir may take a while after a crash (redb repairs it).
+    let app = tokio::task::spawn_blocking(move || StreamsApp::start(config))
+        .await
+        .context("the runtime failed to start")??;
     print_banner(&app, address, &source)?;
 
     service::serve(app, listener, shutdown).await?;
@@ -268,11 +305,20 @@ fn print_banner(app: &StreamsApp, address: SocketAddr, source: &str) -> std::io:
         .map(|(name, partitions)| format!("{name} ({partitions} partitions)"))
         .collect();
     writeln!(out, "  topics:      {}", topics.join(", "))?;
+    match &config.data_dir {
+        Some(dir) => writeln!(
+            out,
+            "  data dir:    {} (log and persistent stores)",
+            dir.display()
+        )?,
+        None => writeln!(out, "  data dir:    none: log and stores in memory, lost on exit")?,
+    }
     for pipeline in &config.pipelines {
         let effective = config.effective_order(pipeline);
         writeln!(
             out,
-            "  pipeline:    {name}: {topic} → {processor} → store `{name}` (T = {t}, {order} order)",
+            "  pipeline:    {name}: {topic} → {processor} → {kind} store `{name}` (T = {t}, {order} order)",
+            kind = config.store_kind(pipeline).as_str(),
             name = pipeline.name,
             topic = pipeline.source_topic,
             processor = pipeline.processor.name(),

@@ -115,7 +115,10 @@ pub fn to_status(error: impl Into<ServiceError>) -> Status {
             tracing::error!(error = %detail, "internal error answered as INTERNAL");
             Status::internal("internal error; the server log has the details")
         }
-        ServiceError::Runtime(RuntimeError::Storage { path, message: detail }) => {
+        ServiceError::Runtime(RuntimeError::Storage {
+            path,
+            message: detail,
+        }) => {
             // File paths are the server's business: logs only.
             tracing::error!(file = %path, error = %detail, "storage error answered as INTERNAL");
             Status::internal("storage error; the server log has the details")
