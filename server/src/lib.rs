@@ -4,11 +4,13 @@
 //!
 //! Layout (one folder per concern):
 //! - `config`: the typed, validated configuration.
-//! - `log`: the source/sink abstraction (`Log`), the embedded `MemoryLog`, Kafka's partitioner.
+//! - `log`: the source/sink abstraction (`Log`), the embedded logs (`MemoryLog`,
+//!   `RedbLog` on disk), Kafka's partitioner.
 //! - `processor`: the `Processor` trait and the built-ins.
 //! - `store`: the `KeyValueStore` trait and backends.
 //! - `metadata`: StreamsMetadata, record outcomes, subscriptions.
-//! - `runtime`: threads, tasks, scheduling, sequencer/watermark, commits; `StreamsApp`.
+//! - `runtime`: threads, tasks, scheduling, sequencer/watermark, commits, the
+//!   retry path (retry and dead-letter topics), store restore; `StreamsApp`.
 //! - `service`: gRPC handlers, a thin translation, and the one place errors become `Status`.
 //!
 //! The runtime knows nothing of gRPC and is usable as a library:
@@ -23,14 +25,16 @@ pub mod service;
 pub mod store;
 
 pub use config::{
-    CommitMode, Config, ConfigError, PipelineConfig, ProcessingOrder, ProcessorSpec, TopicConfig,
+    CommitMode, Config, ConfigError, PipelineConfig, ProcessingOrder, ProcessorSpec, RetryPolicy, StoreKind,
+    TopicConfig,
 };
-pub use log::{Log, LogError, MemoryLog, ProducerRecord, Record, RecordPosition};
+pub use log::{Log, LogError, MemoryLog, ProducerRecord, Record, RecordPosition, RedbLog, Retention};
 pub use metadata::{
     AppState, EndAt, HostInfo, KeyMetadata, Outcome, OutcomeBatch, OutcomeSubscription, PartitionQueryResult,
     RecordOutcome, RuntimeDescription, StartAt, StoreMetadata, StreamsMetadata, SubscribeRequest,
     SubscriptionEvent, TaskMetadata, ThreadMetadata, ThreadState,
 };
 pub use processor::{ProcessError, Processor, ProcessorContext};
+pub use runtime::retry::headers as failure_headers;
 pub use runtime::{AppBuilder, CommitReport, RuntimeError, StreamsApp};
-pub use store::{KeyValueStore, MemoryStore};
+pub use store::{Checkpoint, KeyValueStore, MemoryStore, PersistentStore};

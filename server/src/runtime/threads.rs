@@ -495,9 +495,19 @@ fn pick(s: &mut Sched, me: usize) -> Pick {
     )
 }
 
-/// Due retry items of some task, starting after the thread's cursor.
+/// Due retry items of some task, starting after the thread's cursor. While
+/// new records wait, at most half the threads are on retries, so slow or
+/// hanging retries can never take every thread from the partitions.
 fn pick_retry(s: &mut Sched, me: usize, now_ms: i64) -> Option<Pick> {
     let n = s.tasks.len();
+    let on_retry = s.threads.iter().filter(|t| t.alive && t.on_retry).count();
+    if on_retry > 0 {
+        let live = s.threads.iter().filter(|t| t.is_live()).count();
+        let source_work = s.tasks.iter().any(|t| t.startable_units() > 0 || t.can_fetch());
+        if source_work && on_retry >= (live / 2).max(1) {
+            return None;
+        }
+    }
     let start = s.threads[me].cursor % n;
     for i in 0..n {
         let t = (start + i) % n;
