@@ -452,3 +452,65 @@ async fn a_subscriber_too_slow_for_its_buffer_gets_resource_exhausted_when_confi
     server.caught_up().await;
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_outcomes_reach_the_record_callback_and_bounded_streams_wait_for_final_outcomes() {
+    let mut config = simulated_config();
+    config.application_id = "retries".into();
+    config.retry_backoff_ms = 5;
+    config.retry_backoff_max_ms = 20;
+    config.pipelines = vec![pipeline(
+        "flaky",
+        ProcessorSpec::Simulate {
+            latency_ms: None,
+            cpu_work_us: 0,
+            failure_rate: 0.05,
+            fail_attempts: 1,
+            seed: 9,
+        },
+        None,
+        None,
+    )];
+    let server = Server::start(config).await;
+    server.produce(600, 13).await;
+
+    let calls: Arc<Mutex<Vec<MetadataBatch>>> = Arc::default();
+    let sink = calls.clone();
+    let handle = server.client.get_metadata_async(
+        "flaky",
+        MetadataOptions::bounded().start(Start::Earliest),
+        move |r: Result<MetadataBatch, ClientError>| sink.lock().unwrap().push(r.expect("no error")),
+    );
+    tokio::time::timeout(WAIT, handle.join())
+        .await
+        .expect("bounded stream completed");
+    let mut history: BTreeMap<(u32, i64), Vec<(v1::RecordOutcome, u32)>> = BTreeMap::new();
+    for batch in calls.lock().unwrap().iter() {
+        for record in &batch.records {
+            history
+                .entry((record.partition, record.offset))
+                .or_default()
+                .push((record.outcome, record.attempts));
+        }
+    }
+    assert_eq!(history.len(), 600, "every record reached a callback");
+    let retried: Vec<_> = history.values().filter(|h| h.len() > 1).collect();
+    assert!(!retried.is_empty(), "about 5% of the records failed once");
+    for h in &retried {
+        assert_eq!(
+            **h,
+            vec![
+                (v1::RecordOutcome::Retrying, 1),
+                (v1::RecordOutcome::Processed, 2)
+            ],
+            "a failed record: retrying, then processed on its second attempt"
+        );
+    }
+    // The stream completed only once every record had its final outcome.
+    assert!(
+        history
+            .values()
+            .all(|h| h.last().map(|(o, _)| *o) == Some(v1::RecordOutcome::Processed))
+    );
+    server.stop().await;
+}
