@@ -3,9 +3,11 @@
 //! embedded implementation; a Kafka implementation satisfies the same trait.
 //! Keys are routed exactly as Kafka's default partitioner (`partitioner`).
 
+mod durable;
 mod memory;
 pub mod partitioner;
 
+pub use durable::RedbLog;
 pub use memory::MemoryLog;
 pub use partitioner::{murmur2, partition_for_key};
 
