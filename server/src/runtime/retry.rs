@@ -278,10 +278,10 @@ impl RetryQueue {
         let mut seen_keys: HashSet<&Bytes> = HashSet::new();
         let mut next: Option<i64> = None;
         for item in self.waiting.values().take(1024) {
-            if let Some(key) = item.record.key.as_ref().filter(|_| self.keyed) {
-                if self.busy_keys.contains(key) || !seen_keys.insert(key) {
-                    continue;
-                }
+            if let Some(key) = item.record.key.as_ref().filter(|_| self.keyed)
+                && (self.busy_keys.contains(key) || !seen_keys.insert(key))
+            {
+                continue;
             }
             next = Some(next.map_or(item.due_ms, |n| n.min(item.due_ms)));
         }
@@ -296,10 +296,9 @@ impl RetryQueue {
         for (&offset, item) in self.waiting.iter().take(1024) {
             if self.keyed
                 && let Some(key) = &item.record.key
+                && (self.busy_keys.contains(key) || !seen_keys.insert(key.clone()))
             {
-                if self.busy_keys.contains(key) || !seen_keys.insert(key.clone()) {
-                    continue;
-                }
+                continue;
             }
             if item.due_ms <= now_ms {
                 taken.push(offset);
