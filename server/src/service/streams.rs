@@ -83,18 +83,19 @@ impl StreamsService for StreamsHandler {
 
     async fn query(&self, request: Request<pb::QueryRequest>) -> Result<Response<pb::QueryResponse>, Status> {
         let (store, query) = request::store_query(request.into_inner()).map_err(to_status)?;
-        let results = match query {
-            StoreQuery::Key(key) => vec![self.app.query_key(&store, &key).map_err(to_status)?],
+        let app = self.app.clone();
+        let name = store.clone();
+        // A persistent store is read from disk: off the async workers.
+        let results = blocking(move || match query {
+            StoreQuery::Key(key) => Ok(vec![app.query_key(&name, &key)?]),
             StoreQuery::Range {
                 from,
                 to,
                 partitions,
                 limit,
-            } => self
-                .app
-                .query_range(&store, from.as_deref(), to.as_deref(), &partitions, limit)
-                .map_err(to_status)?,
-        };
+            } => app.query_range(&name, from.as_deref(), to.as_deref(), &partitions, limit),
+        })
+        .await?;
         Ok(Response::new(pb::QueryResponse {
             store,
             results: results.into_iter().map(convert::partition_result).collect(),
@@ -106,7 +107,10 @@ impl StreamsService for StreamsHandler {
         request: Request<pb::ProduceRequest>,
     ) -> Result<Response<pb::ProduceResponse>, Status> {
         let (topic, records) = request::produce_batch(request.into_inner()).map_err(to_status)?;
-        let positions = self.app.produce(&topic, records).map_err(to_status)?;
+        let app = self.app.clone();
+        let name = topic.clone();
+        // A durable log answers once the records are on disk: off the async workers.
+        let positions = blocking(move || app.produce(&name, records)).await?;
         let mut ranges = PartitionRanges::default();
         ranges.add(&positions);
         Ok(Response::new(pb::ProduceResponse {
@@ -143,7 +147,8 @@ impl StreamsService for StreamsHandler {
                 }
                 Some(_) => {}
             }
-            let positions = self.app.produce(&batch_topic, records).map_err(to_status)?;
+            let app = self.app.clone();
+            let positions = blocking(move || app.produce(&batch_topic, records)).await?;
             ranges.add(&positions);
             index += 1;
         }
@@ -160,4 +165,14 @@ impl StreamsService for StreamsHandler {
             partitions: ranges.to_proto(),
         }))
     }
+}
+
+/// Runs a blocking runtime call on tokio's blocking pool.
+async fn blocking<T: Send + 'static>(
+    call: impl FnOnce() -> Result<T, RuntimeError> + Send + 'static,
+) -> Result<T, Status> {
+    tokio::task::spawn_blocking(call)
+        .await
+        .map_err(|e| to_status(RuntimeError::Internal(format!("blocking call failed: {e}"))))?
+        .map_err(to_status)
 }
