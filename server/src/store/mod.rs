@@ -2,6 +2,9 @@
 //! atomic update of one key) and `MemoryStore`, an in-memory backend sharded by
 //! key hash so T threads of one task can write at once without one big lock.
 
+mod persistent;
+pub use persistent::{Checkpoint, PersistentStore, StoreError, StoreSnapshot};
+
 use bytes::Bytes;
 use std::collections::BTreeMap;
 use std::ops::Bound;

@@ -1,0 +1,958 @@
+//! `PersistentStore`: a redb-backed key-value store whose data and task checkpoint commit in one
+//! durable transaction. Writes land in a sharded in-memory dirty overlay; `begin_commit` freezes
+//! it, `finish_commit` writes the frozen layer while processing continues. Reads go dirty →
+//! frozen → committed redb data; snapshots (interactive queries) see only the last commit.
+
+use super::KeyValueStore;
+use bytes::Bytes;
+use redb::{Database, ReadOnlyTable, ReadableDatabase, ReadableTableMetadata, TableDefinition};
+use std::any::Any;
+use std::cmp::Ordering;
+use std::collections::BTreeMap;
+use std::fmt::Display;
+use std::ops::Bound;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+/// Positions committed atomically with the store's data.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Checkpoint {
+    /// Next source offset to process.
+    pub watermark: u64,
+    /// Next retry-topic offset to process.
+    pub retry_offset: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("data file {path}: {message}")]
+pub struct StoreError {
+    pub path: String,
+    pub message: String,
+}
+
+impl StoreError {
+    fn new(path: &Path, message: impl Display) -> Self {
+        StoreError {
+            path: path.display().to_string(),
+            message: message.to_string(),
+        }
+    }
+}
+
+fn panic_message(payload: &(dyn Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("unknown panic")
+}
+
+/// Runs a redb call, turning its errors and its panics into a `StoreError` naming the file.
+/// redb trusts the pages it reads and panics on some damaged ones ("unreachable code", "invalid
+/// page type"); a full integrity check on every open would read the whole file instead.
+fn guarded<T>(path: &Path, f: impl FnOnce() -> Result<T, redb::Error>) -> Result<T, StoreError> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(result) => result.map_err(|e| StoreError::new(path, e)),
+        Err(payload) => Err(StoreError::new(
+            path,
+            format_args!("corrupt: redb panicked: {}", panic_message(&*payload)),
+        )),
+    }
+}
+
+const DATA: TableDefinition<&[u8], &[u8]> = TableDefinition::new("data");
+/// One row, `checkpoint` → (watermark, retry_offset); absent until the first commit.
+const META: TableDefinition<&str, (u64, u64)> = TableDefinition::new("meta");
+const CHECKPOINT_KEY: &str = "checkpoint";
+
+const SHARDS: usize = 16;
+/// redb's default page cache is 1 GiB per database, and a server holds one store per task. Hot
+/// keys live in the dirty overlay anyway, so the cache only serves cold reads.
+const CACHE_BYTES: usize = 64 * 1024 * 1024;
+
+/// Writes not yet committed: `None` is a tombstone hiding the key in the layers below.
+type Layer = BTreeMap<Bytes, Option<Bytes>>;
+
+struct ShardState {
+    /// Writes since the last `begin_commit`.
+    dirty: Layer,
+    /// This shard's part of the frozen commit until `finish_commit` has made it durable.
+    frozen: Option<Arc<Layer>>,
+}
+
+/// Keeps each shard's lock on its own cache lines, so threads on different shards do not
+/// contend through false sharing.
+#[repr(align(128))]
+struct Shard(RwLock<ShardState>);
+
+/// The last commit, as one redb read transaction. The `ReadOnlyTable` holds the transaction
+/// alive by itself, so this is cached and shared instead of beginning a transaction per read.
+struct Committed {
+    data: ReadOnlyTable<&'static [u8], &'static [u8]>,
+    checkpoint: Option<Checkpoint>,
+}
+
+impl Committed {
+    fn load(db: &Database) -> Result<Committed, redb::Error> {
+        let txn = db.begin_read()?;
+        let data = txn.open_table(DATA)?;
+        let meta = txn.open_table(META)?;
+        let checkpoint = meta.get(CHECKPOINT_KEY)?.map(|guard| {
+            let (watermark, retry_offset) = guard.value();
+            Checkpoint {
+                watermark,
+                retry_offset,
+            }
+        });
+        Ok(Committed { data, checkpoint })
+    }
+
+    fn get(&self, key: &[u8]) -> Result<Option<Bytes>, redb::Error> {
+        Ok(self
+            .data
+            .get(key)?
+            .map(|guard| Bytes::copy_from_slice(guard.value())))
+    }
+
+    fn contains(&self, key: &[u8]) -> Result<bool, redb::Error> {
+        Ok(self.data.get(key)?.is_some())
+    }
+
+    /// Entries in `[from, to]`, with `overlay` (sorted, tombstones included) applied on top.
+    fn merged_range(
+        &self,
+        overlay: Layer,
+        from: Option<&[u8]>,
+        to: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Vec<(Bytes, Bytes)>, redb::Error> {
+        let bounds: (Bound<&[u8]>, Bound<&[u8]>) = (
+            from.map_or(Bound::Unbounded, Bound::Included),
+            to.map_or(Bound::Unbounded, Bound::Included),
+        );
+        let mut base = self.data.range::<&[u8]>(bounds)?;
+        let mut next_base = base.next().transpose()?;
+        let mut overlay = overlay.into_iter().peekable();
+        let mut entries = Vec::new();
+        while limit == 0 || entries.len() < limit {
+            let order = match (overlay.peek(), &next_base) {
+                (None, None) => break,
+                (Some(_), None) => Ordering::Less,
+                (None, Some(_)) => Ordering::Greater,
+                (Some((over, _)), Some((key, _))) => over.as_ref().cmp(key.value()),
+            };
+            match order {
+                Ordering::Less => {
+                    if let Some((key, Some(value))) = overlay.next() {
+                        entries.push((key, value));
+                    }
+                }
+                Ordering::Equal => {
+                    if let Some((key, Some(value))) = overlay.next() {
+                        entries.push((key, value));
+                    }
+                    next_base = base.next().transpose()?;
+                }
+                Ordering::Greater => {
+                    if let Some((key, value)) = &next_base {
+                        entries.push((
+                            Bytes::copy_from_slice(key.value()),
+                            Bytes::copy_from_slice(value.value()),
+                        ));
+                    }
+                    next_base = base.next().transpose()?;
+                }
+            }
+        }
+        Ok(entries)
+    }
+}
+
+/// A redb-backed store of one task. See the module doc for the layers.
+///
+/// The `KeyValueStore` methods cannot return errors: a failed (or panicking) read of the redb
+/// file there panics with a `StoreError` message naming the file, which the runtime turns into a
+/// failed record. Like MemoryStore's, `update`'s closure must not call back into the store.
+pub struct PersistentStore {
+    shards: Box<[Shard]>,
+    committed: RwLock<Arc<Committed>>,
+    /// The frozen layers (one per shard) from `begin_commit` until `finish_commit` succeeds.
+    pending: Mutex<Option<Arc<[Arc<Layer>]>>>,
+    /// Serialises `finish_commit`s without making `begin_commit` wait for one.
+    writer: Mutex<()>,
+    // Declared last: the cached read transaction above is dropped before the database.
+    db: Database,
+    path: PathBuf,
+}
+
+fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    // A processor panicking inside `update` poisons the shard, but the shard is only changed
+    // after its closure returns, so its content is still whole.
+    lock.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    lock.write().unwrap_or_else(|e| e.into_inner())
+}
+
+fn lock<T>(lock: &Mutex<T>) -> MutexGuard<'_, T> {
+    lock.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl PersistentStore {
+    /// Opens or creates the store file. Corrupt / unreadable / not a redb file → StoreError naming the file (never reset silently).
+    pub fn open(path: &Path) -> Result<PersistentStore, StoreError> {
+        if let Some(parent) = path.parent()
+            && !parent.as_os_str().is_empty()
+        {
+            std::fs::create_dir_all(parent).map_err(|e| StoreError::new(path, e))?;
+        }
+        let db = guarded(path, || {
+            Ok(Database::builder().set_cache_size(CACHE_BYTES).create(path)?)
+        })?;
+        let committed = guarded(path, || {
+            let mut txn = db.begin_write()?;
+            txn.set_quick_repair(true);
+            txn.open_table(DATA)?;
+            txn.open_table(META)?;
+            txn.commit()?;
+            Committed::load(&db)
+        })?;
+        Ok(PersistentStore {
+            shards: (0..SHARDS)
+                .map(|_| {
+                    Shard(RwLock::new(ShardState {
+                        dirty: Layer::new(),
+                        frozen: None,
+                    }))
+                })
+                .collect(),
+            committed: RwLock::new(Arc::new(committed)),
+            pending: Mutex::new(None),
+            writer: Mutex::new(()),
+            db,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// The checkpoint of the last commit, None if never committed.
+    pub fn checkpoint(&self) -> Option<Checkpoint> {
+        read(&self.committed).checkpoint
+    }
+
+    /// Freezes every write made so far as the next commit. Returns false (and freezes nothing)
+    /// while the previous frozen commit is still being written, or failed to be written.
+    ///
+    /// The freeze is atomic only because the runtime calls this while no processor of the task
+    /// runs; concurrent writers would be split between the two commits shard by shard.
+    pub fn begin_commit(&self) -> bool {
+        let mut pending = lock(&self.pending);
+        if pending.is_some() {
+            return false;
+        }
+        let layers: Arc<[Arc<Layer>]> = self
+            .shards
+            .iter()
+            .map(|shard| {
+                let mut state = write(&shard.0);
+                let layer = Arc::new(std::mem::take(&mut state.dirty));
+                state.frozen = Some(layer.clone());
+                layer
+            })
+            .collect();
+        *pending = Some(layers);
+        true
+    }
+
+    /// Writes the frozen writes and `checkpoint` in one durable transaction, then drops the
+    /// frozen layer. Without a frozen layer it still writes the checkpoint. Safe to call from
+    /// another thread than begin_commit's, while processors keep writing.
+    ///
+    /// On error the frozen layer stays in place (reads still see it) and pending: calling this
+    /// again retries the same writes, which is harmless since they are plain puts and deletes.
+    pub fn finish_commit(&self, checkpoint: Checkpoint) -> Result<(), StoreError> {
+        let _writer = lock(&self.writer);
+        let layers = lock(&self.pending).clone();
+        let committed = guarded(&self.path, || {
+            let mut txn = self.db.begin_write()?;
+            // Saves the allocator state with each commit, so reopening after a crash does not
+            // walk the whole file; costs a second fsync per commit, once a second.
+            txn.set_quick_repair(true);
+            {
+                let mut data = txn.open_table(DATA)?;
+                for layer in layers.iter().flat_map(|layers| layers.iter()) {
+                    for (key, value) in layer.iter() {
+                        match value {
+                            Some(value) => data.insert(key.as_ref(), value.as_ref())?,
+                            None => data.remove(key.as_ref())?,
+                        };
+                    }
+                }
+                let mut meta = txn.open_table(META)?;
+                meta.insert(CHECKPOINT_KEY, (checkpoint.watermark, checkpoint.retry_offset))?;
+            }
+            txn.commit()?;
+            Committed::load(&self.db)
+        })?;
+        // The new view goes in before the frozen layers go out: a reader finding no frozen layer
+        // must find their writes below.
+        *write(&self.committed) = Arc::new(committed);
+        if layers.is_some() {
+            for shard in self.shards.iter() {
+                write(&shard.0).frozen = None;
+            }
+            *lock(&self.pending) = None;
+        }
+        Ok(())
+    }
+
+    /// A consistent read-only view of the last commit: entries and checkpoint from one redb
+    /// read transaction. While it is alive redb cannot reuse the pages it sees, so hold it
+    /// for one query, not for long.
+    pub fn snapshot(&self) -> Result<StoreSnapshot, StoreError> {
+        Ok(StoreSnapshot {
+            committed: read(&self.committed).clone(),
+            path: self.path.clone(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn shard(&self, key: &[u8]) -> &RwLock<ShardState> {
+        // FNV-1a, as MemoryStore: cheap, and keys of one partition are already spread by murmur2.
+        let mut hash: u32 = 0x811c_9dc5;
+        for &byte in key {
+            hash = (hash ^ byte as u32).wrapping_mul(0x0100_0193);
+        }
+        &self.shards[hash as usize % SHARDS].0
+    }
+
+    /// The value of `key` below the dirty layer of its shard, whose lock the caller holds.
+    fn lower(&self, state: &ShardState, key: &[u8]) -> Option<Bytes> {
+        if let Some(frozen) = &state.frozen
+            && let Some(value) = frozen.get(key)
+        {
+            return value.clone();
+        }
+        let committed = read(&self.committed);
+        guarded(&self.path, || committed.get(key)).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+impl KeyValueStore for PersistentStore {
+    fn get(&self, key: &[u8]) -> Option<Bytes> {
+        let state = read(self.shard(key));
+        match state.dirty.get(key) {
+            Some(value) => value.clone(),
+            None => self.lower(&state, key),
+        }
+    }
+
+    fn put(&self, key: Bytes, value: Bytes) {
+        write(self.shard(&key)).dirty.insert(key, Some(value));
+    }
+
+    fn delete(&self, key: &[u8]) -> Option<Bytes> {
+        let mut state = write(self.shard(key));
+        if let Some(slot) = state.dirty.get_mut(key) {
+            return slot.take();
+        }
+        let old = self.lower(&state, key);
+        if old.is_some() {
+            state.dirty.insert(Bytes::copy_from_slice(key), None);
+        }
+        old
+    }
+
+    fn range(&self, from: Option<&[u8]>, to: Option<&[u8]>, limit: usize) -> Vec<(Bytes, Bytes)> {
+        if let (Some(f), Some(t)) = (from, to)
+            && f > t
+        {
+            return Vec::new();
+        }
+        let lower = from.map_or(Bound::Unbounded, Bound::Included);
+        let upper = to.map_or(Bound::Unbounded, Bound::Included);
+        // Every shard at once, so the overlay is one moment; the committed view taken under
+        // the same locks already holds any frozen layer that is gone. The redb scan then runs
+        // on that immutable view without blocking writers.
+        let states: Vec<_> = self.shards.iter().map(|s| read(&s.0)).collect();
+        let committed = read(&self.committed).clone();
+        let mut overlay = Layer::new();
+        for state in &states {
+            if let Some(frozen) = &state.frozen {
+                for (k, v) in frozen.range::<[u8], _>((lower, upper)) {
+                    overlay.insert(k.clone(), v.clone());
+                }
+            }
+            for (k, v) in state.dirty.range::<[u8], _>((lower, upper)) {
+                overlay.insert(k.clone(), v.clone());
+            }
+        }
+        drop(states);
+        guarded(&self.path, || committed.merged_range(overlay, from, to, limit))
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn update(&self, key: &[u8], f: &mut dyn FnMut(Option<&Bytes>) -> Option<Bytes>) {
+        let mut state = write(self.shard(key));
+        if let Some(slot) = state.dirty.get_mut(key) {
+            let value = f(slot.as_ref());
+            *slot = value;
+            return;
+        }
+        let old = self.lower(&state, key);
+        let value = f(old.as_ref());
+        if value.is_some() || old.is_some() {
+            state.dirty.insert(Bytes::copy_from_slice(key), value);
+        }
+    }
+
+    /// Exact: the committed count corrected by every overlay key. Costs a redb lookup per
+    /// uncommitted key, which is acceptable for a rarely used call.
+    fn len(&self) -> usize {
+        let states: Vec<_> = self.shards.iter().map(|s| read(&s.0)).collect();
+        let committed = read(&self.committed).clone();
+        let count = guarded(&self.path, || {
+            let mut count = committed.data.len()? as i64;
+            for state in &states {
+                let frozen = state.frozen.as_deref();
+                let frozen_only = frozen
+                    .into_iter()
+                    .flatten()
+                    .filter(|(k, _)| !state.dirty.contains_key(*k));
+                for (key, value) in state.dirty.iter().chain(frozen_only) {
+                    count += value.is_some() as i64 - committed.contains(key)? as i64;
+                }
+            }
+            Ok(count.max(0) as usize)
+        });
+        count.unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+/// The last commit of a store, as one redb read transaction: never sees uncommitted writes nor
+/// later commits, and never blocks processing.
+pub struct StoreSnapshot {
+    committed: Arc<Committed>,
+    path: PathBuf,
+}
+
+impl StoreSnapshot {
+    pub fn checkpoint(&self) -> Option<Checkpoint> {
+        self.committed.checkpoint
+    }
+
+    pub fn get(&self, key: &[u8]) -> Result<Option<Bytes>, StoreError> {
+        guarded(&self.path, || self.committed.get(key))
+    }
+
+    /// `from <= key <= to` (absent = open), at most `limit` (0 = all), in key order.
+    pub fn range(
+        &self,
+        from: Option<&[u8]>,
+        to: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Vec<(Bytes, Bytes)>, StoreError> {
+        if let (Some(f), Some(t)) = (from, to)
+            && f > t
+        {
+            return Ok(Vec::new());
+        }
+        guarded(&self.path, || {
+            self.committed.merged_range(Layer::new(), from, to, limit)
+        })
+    }
+
+    pub fn len(&self) -> Result<u64, StoreError> {
+        guarded(&self.path, || Ok(self.committed.data.len()?))
+    }
+
+    pub fn is_empty(&self) -> Result<bool, StoreError> {
+        Ok(self.len()? == 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
+    use std::time::{Duration, Instant};
+
+    /// A unique directory under the system temp dir, removed on drop.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(name: &str) -> TempDir {
+            static NEXT: AtomicU64 = AtomicU64::new(0);
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos();
+            let dir = std::env::temp_dir().join(format!(
+                "taskstream-persistent-{name}-{}-{nanos}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, AtomicOrdering::Relaxed)
+            ));
+            std::fs::create_dir_all(&dir).unwrap();
+            TempDir(dir)
+        }
+
+        fn file(&self) -> PathBuf {
+            self.0.join("store.redb")
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn b(s: &str) -> Bytes {
+        Bytes::copy_from_slice(s.as_bytes())
+    }
+
+    fn keys(entries: &[(Bytes, Bytes)]) -> Vec<Bytes> {
+        entries.iter().map(|(k, _)| k.clone()).collect()
+    }
+
+    fn commit(store: &PersistentStore, watermark: u64) {
+        assert!(store.begin_commit());
+        store
+            .finish_commit(Checkpoint {
+                watermark,
+                retry_offset: watermark / 2,
+            })
+            .unwrap();
+    }
+
+    fn count(old: Option<&Bytes>) -> Option<Bytes> {
+        let n = old.map_or(0, |v| u64::from_le_bytes(v.as_ref().try_into().unwrap()));
+        Some(Bytes::copy_from_slice(&(n + 1).to_le_bytes()))
+    }
+
+    fn as_count(value: Option<Bytes>) -> u64 {
+        u64::from_le_bytes(value.unwrap().as_ref().try_into().unwrap())
+    }
+
+    #[test]
+    fn uncommitted_writes_are_visible_to_the_store_but_not_to_snapshots() {
+        let dir = TempDir::new("uncommitted");
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        assert_eq!(store.checkpoint(), None);
+        store.put(b("a"), b("1"));
+        store.update(b"b", &mut |old| {
+            assert_eq!(old, None);
+            Some(b("2"))
+        });
+        store.update(b"a", &mut |old| {
+            assert_eq!(old, Some(&b("1")));
+            Some(b("11"))
+        });
+        assert_eq!(store.get(b"a"), Some(b("11")));
+        assert_eq!(keys(&store.range(None, None, 0)), vec![b("a"), b("b")]);
+        assert_eq!(store.len(), 2);
+
+        let snapshot = store.snapshot().unwrap();
+        assert_eq!(snapshot.get(b"a").unwrap(), None);
+        assert!(snapshot.range(None, None, 0).unwrap().is_empty());
+        assert_eq!(snapshot.len().unwrap(), 0);
+        assert_eq!(snapshot.checkpoint(), None);
+    }
+
+    #[test]
+    fn a_commit_makes_writes_and_checkpoint_visible_to_snapshots_and_durable() {
+        let dir = TempDir::new("commit");
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        store.put(b("a"), b("1"));
+        store.put(b("b"), b("2"));
+        let before = store.snapshot().unwrap();
+        commit(&store, 10);
+        let checkpoint = Checkpoint {
+            watermark: 10,
+            retry_offset: 5,
+        };
+        assert_eq!(store.checkpoint(), Some(checkpoint));
+        let snapshot = store.snapshot().unwrap();
+        assert_eq!(snapshot.checkpoint(), Some(checkpoint));
+        assert_eq!(snapshot.get(b"a").unwrap(), Some(b("1")));
+        assert_eq!(
+            snapshot.range(None, None, 0).unwrap(),
+            vec![(b("a"), b("1")), (b("b"), b("2"))]
+        );
+        assert_eq!(snapshot.len().unwrap(), 2);
+        // MVCC: a snapshot taken before the commit keeps seeing the state it was taken at.
+        assert_eq!(before.get(b"a").unwrap(), None);
+        assert_eq!(before.checkpoint(), None);
+        drop((before, snapshot, store));
+
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        assert_eq!(store.checkpoint(), Some(checkpoint));
+        assert_eq!(store.get(b"b"), Some(b("2")));
+        assert_eq!(store.len(), 2);
+    }
+
+    #[test]
+    fn writes_after_begin_commit_are_not_part_of_that_commit() {
+        let dir = TempDir::new("frozen");
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        store.put(b("k"), b("frozen"));
+        store.put(b("gone"), b("x"));
+        assert!(store.begin_commit());
+        store.put(b("k"), b("dirty"));
+        store.put(b("new"), b("dirty"));
+        store.delete(b"gone");
+        assert_eq!(store.get(b"k"), Some(b("dirty")));
+        store.update(b"k", &mut |old| {
+            assert_eq!(old, Some(&b("dirty")));
+            Some(b("dirty2"))
+        });
+        let checkpoint = Checkpoint {
+            watermark: 7,
+            retry_offset: 3,
+        };
+        store.finish_commit(checkpoint).unwrap();
+        // The later writes are still visible to the store itself...
+        assert_eq!(store.get(b"k"), Some(b("dirty2")));
+        assert_eq!(store.get(b"gone"), None);
+        // ...but only the frozen ones are committed.
+        let snapshot = store.snapshot().unwrap();
+        assert_eq!(snapshot.get(b"k").unwrap(), Some(b("frozen")));
+        assert_eq!(snapshot.get(b"gone").unwrap(), Some(b("x")));
+        assert_eq!(snapshot.get(b"new").unwrap(), None);
+        drop((snapshot, store));
+
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        assert_eq!(store.checkpoint(), Some(checkpoint));
+        assert_eq!(
+            store.range(None, None, 0),
+            vec![(b("gone"), b("x")), (b("k"), b("frozen"))]
+        );
+    }
+
+    #[test]
+    fn dropping_without_a_commit_keeps_only_the_committed_state() {
+        let dir = TempDir::new("crash");
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        for i in 0..100 {
+            store.update(format!("k{i:03}").as_bytes(), &mut count);
+        }
+        commit(&store, 100);
+        for i in 0..200 {
+            store.update(format!("k{i:03}").as_bytes(), &mut count);
+        }
+        // Frozen but never finished: as lost as the dirty writes.
+        assert!(store.begin_commit());
+        store.delete(b"k000");
+        drop(store);
+
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        assert_eq!(store.checkpoint().unwrap().watermark, 100);
+        assert_eq!(store.len(), 100);
+        assert_eq!(as_count(store.get(b"k000")), 1);
+        assert_eq!(store.get(b"k150"), None);
+    }
+
+    #[test]
+    fn tombstones_delete_committed_keys() {
+        let dir = TempDir::new("tombstones");
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        for key in ["a", "b", "c", "d"] {
+            store.put(b(key), b(key));
+        }
+        commit(&store, 1);
+        assert_eq!(store.delete(b"a"), Some(b("a")));
+        assert_eq!(store.delete(b"a"), None);
+        store.update(b"b", &mut |old| {
+            assert_eq!(old, Some(&b("b")));
+            None
+        });
+        // Deleting and re-putting in one commit leaves the new value.
+        store.delete(b"c");
+        store.put(b("c"), b("c2"));
+        assert_eq!(store.get(b"a"), None);
+        assert_eq!(store.get(b"b"), None);
+        assert_eq!(store.len(), 2);
+        assert_eq!(keys(&store.range(None, None, 0)), vec![b("c"), b("d")]);
+        commit(&store, 2);
+        let snapshot = store.snapshot().unwrap();
+        assert_eq!(snapshot.get(b"a").unwrap(), None);
+        assert_eq!(
+            snapshot.range(None, None, 0).unwrap(),
+            vec![(b("c"), b("c2")), (b("d"), b("d"))]
+        );
+        assert_eq!(snapshot.len().unwrap(), 2);
+        drop((snapshot, store));
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        assert_eq!(store.len(), 2);
+        assert_eq!(store.get(b"b"), None);
+    }
+
+    #[test]
+    fn range_merges_the_three_layers_in_key_order_with_limit() {
+        let dir = TempDir::new("range");
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        for i in (0..30).step_by(3) {
+            store.put(format!("k{i:02}").into(), b("committed"));
+        }
+        commit(&store, 1);
+        // Frozen layer: new keys, an overwrite and a tombstone over committed keys.
+        store.put(b("k01"), b("frozen"));
+        store.put(b("k03"), b("frozen"));
+        store.delete(b"k06");
+        assert!(store.begin_commit());
+        // Dirty layer: new keys, overrides of frozen and committed keys, tombstones.
+        store.put(b("k02"), b("dirty"));
+        store.put(b("k01"), b("dirty"));
+        store.delete(b"k09");
+        store.put(b("k06"), b("dirty"));
+        store.delete(b"k03");
+
+        let expected: Vec<(Bytes, Bytes)> = [
+            ("k00", "committed"),
+            ("k01", "dirty"),
+            ("k02", "dirty"),
+            ("k06", "dirty"),
+            ("k12", "committed"),
+            ("k15", "committed"),
+            ("k18", "committed"),
+            ("k21", "committed"),
+            ("k24", "committed"),
+            ("k27", "committed"),
+        ]
+        .iter()
+        .map(|(k, v)| (b(k), b(v)))
+        .collect();
+        assert_eq!(store.range(None, None, 0), expected);
+        assert_eq!(store.len(), expected.len());
+        assert_eq!(store.range(None, None, 4), expected[..4]);
+        assert_eq!(store.range(Some(b"k01"), Some(b"k12"), 0), expected[1..5]);
+        assert_eq!(store.range(Some(b"k03"), None, 2), expected[3..5]);
+        assert_eq!(store.range(None, Some(b"k05"), 0), expected[..3]);
+        assert!(store.range(Some(b"z"), Some(b"a"), 0).is_empty());
+
+        // Same answer once the frozen layer is committed, and after the dirty one is too.
+        store
+            .finish_commit(Checkpoint {
+                watermark: 2,
+                retry_offset: 0,
+            })
+            .unwrap();
+        assert_eq!(store.range(None, None, 0), expected);
+        commit(&store, 3);
+        assert_eq!(store.range(None, None, 0), expected);
+        assert_eq!(store.snapshot().unwrap().range(None, None, 0).unwrap(), expected);
+        assert_eq!(
+            store.snapshot().unwrap().range(Some(b"k02"), None, 3).unwrap(),
+            expected[2..5]
+        );
+    }
+
+    #[test]
+    fn begin_commit_refuses_while_a_frozen_layer_is_pending() {
+        let dir = TempDir::new("pending");
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        store.put(b("a"), b("1"));
+        assert!(store.begin_commit());
+        store.put(b("b"), b("2"));
+        assert!(!store.begin_commit());
+        assert!(!store.begin_commit());
+        store.finish_commit(Checkpoint::default()).unwrap();
+        // The refused calls froze nothing: "b" waits for the next commit.
+        let snapshot = store.snapshot().unwrap();
+        assert_eq!(snapshot.get(b"b").unwrap(), None);
+        assert_eq!(snapshot.checkpoint(), Some(Checkpoint::default()));
+        assert!(store.begin_commit());
+        store
+            .finish_commit(Checkpoint {
+                watermark: 1,
+                retry_offset: 0,
+            })
+            .unwrap();
+        assert_eq!(store.snapshot().unwrap().get(b"b").unwrap(), Some(b("2")));
+    }
+
+    #[test]
+    fn finish_commit_without_a_frozen_layer_writes_the_checkpoint() {
+        let dir = TempDir::new("checkpoint-only");
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        store.put(b("a"), b("1"));
+        let checkpoint = Checkpoint {
+            watermark: 42,
+            retry_offset: 9,
+        };
+        store.finish_commit(checkpoint).unwrap();
+        assert_eq!(store.checkpoint(), Some(checkpoint));
+        assert_eq!(store.snapshot().unwrap().get(b"a").unwrap(), None);
+        assert_eq!(store.get(b"a"), Some(b("1")));
+        drop(store);
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        assert_eq!(store.checkpoint(), Some(checkpoint));
+        assert_eq!(store.get(b"a"), None);
+    }
+
+    #[test]
+    fn concurrent_updates_of_one_key_lose_nothing_while_a_commit_is_written() {
+        let dir = TempDir::new("concurrent");
+        let store = Arc::new(PersistentStore::open(&dir.file()).unwrap());
+        for _ in 0..500 {
+            store.update(b"hot", &mut count);
+        }
+        commit(&store, 1);
+        for _ in 0..500 {
+            store.update(b"hot", &mut count);
+        }
+        assert!(store.begin_commit());
+        let finisher = {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                store
+                    .finish_commit(Checkpoint {
+                        watermark: 2,
+                        retry_offset: 0,
+                    })
+                    .unwrap()
+            })
+        };
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..10_000 {
+                        store.update(b"hot", &mut count);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        finisher.join().unwrap();
+        assert_eq!(as_count(store.get(b"hot")), 41_000);
+        assert_eq!(as_count(store.snapshot().unwrap().get(b"hot").unwrap()), 1_000);
+        commit(&store, 3);
+        assert_eq!(as_count(store.snapshot().unwrap().get(b"hot").unwrap()), 41_000);
+    }
+
+    #[test]
+    fn a_garbage_file_is_an_error_naming_it() {
+        let dir = TempDir::new("garbage");
+        let file = dir.file();
+        std::fs::write(&file, vec![0x5a; 8192]).unwrap();
+        let err = PersistentStore::open(&file).err().unwrap();
+        assert_eq!(err.path, file.display().to_string());
+        assert!(err.to_string().contains(&file.display().to_string()));
+        // Never reset silently.
+        assert_eq!(std::fs::read(&file).unwrap(), vec![0x5a; 8192]);
+        let short = dir.0.join("short.redb");
+        std::fs::write(&short, b"hello").unwrap();
+        assert!(PersistentStore::open(&short).is_err());
+    }
+
+    #[test]
+    fn a_damaged_redb_file_is_an_error_not_a_panic() {
+        let dir = TempDir::new("damaged");
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        for i in 0..5000 {
+            store.put(format!("k{i}").into(), Bytes::from(vec![7u8; 100]));
+        }
+        commit(&store, 1);
+        drop(store);
+        // The magic number stays valid; the pages right after the header do not.
+        let mut data = std::fs::read(dir.file()).unwrap();
+        for byte in &mut data[4096..6096] {
+            *byte ^= 0xff;
+        }
+        std::fs::write(dir.file(), &data).unwrap();
+        let err = PersistentStore::open(&dir.file()).err().unwrap();
+        assert_eq!(err.path, dir.file().display().to_string());
+        assert!(err.message.contains("corrupt"), "{err}");
+        assert_eq!(std::fs::read(dir.file()).unwrap(), data);
+    }
+
+    /// Run with `cargo test --release -p taskstream-server --lib persistent -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn update_throughput() {
+        const KEYS: usize = 1000;
+        const SECONDS: f64 = 3.0;
+        let keys: Arc<Vec<Vec<u8>>> =
+            Arc::new((0..KEYS).map(|i| format!("key-{i:05}").into_bytes()).collect());
+        for threads in [1, 4] {
+            let memory = Arc::new(crate::store::MemoryStore::new());
+            let rate = run(memory, threads, &keys, SECONDS, |_| ());
+            println!("MemoryStore     {threads} thread(s): {rate:>10.0} updates/s per thread");
+
+            let dir = TempDir::new("throughput");
+            let store = Arc::new(PersistentStore::open(&dir.file()).unwrap());
+            let commits = AtomicU64::new(0);
+            let slowest_commit_us = Arc::new(AtomicU64::new(0));
+            let rate = run(store.clone(), threads, &keys, SECONDS, |store| {
+                if store.begin_commit() {
+                    let (store, slowest) = (store.clone(), slowest_commit_us.clone());
+                    let n = commits.fetch_add(1, AtomicOrdering::Relaxed) + 1;
+                    std::thread::spawn(move || {
+                        let start = Instant::now();
+                        store
+                            .finish_commit(Checkpoint {
+                                watermark: n,
+                                retry_offset: 0,
+                            })
+                            .unwrap();
+                        let us = start.elapsed().as_micros() as u64;
+                        slowest.fetch_max(us, AtomicOrdering::Relaxed);
+                    });
+                }
+            });
+            println!(
+                "PersistentStore {threads} thread(s): {rate:>10.0} updates/s per thread \
+                 ({} commits of {KEYS} keys, slowest finish_commit {} µs)",
+                commits.load(AtomicOrdering::Relaxed),
+                slowest_commit_us.load(AtomicOrdering::Relaxed)
+            );
+        }
+
+        /// `threads` counting processors over the hot keys; every second `commit` runs while
+        /// they are held at a gate, as the runtime's quiescence does. Returns updates/s/thread.
+        fn run<S: KeyValueStore + 'static>(
+            store: Arc<S>,
+            threads: usize,
+            keys: &Arc<Vec<Vec<u8>>>,
+            seconds: f64,
+            commit: impl Fn(&Arc<S>),
+        ) -> f64 {
+            let gate = Arc::new(RwLock::new(()));
+            let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let workers: Vec<_> = (0..threads)
+                .map(|t| {
+                    let (store, keys, gate, stop) = (store.clone(), keys.clone(), gate.clone(), stop.clone());
+                    std::thread::spawn(move || {
+                        let mut done = 0u64;
+                        let mut i = t * 7919;
+                        while !stop.load(AtomicOrdering::Relaxed) {
+                            let _running = gate.read().unwrap();
+                            for _ in 0..1000 {
+                                i = (i + 1) % keys.len();
+                                store.update(&keys[i], &mut count);
+                            }
+                            done += 1000;
+                        }
+                        done
+                    })
+                })
+                .collect();
+            let start = Instant::now();
+            while start.elapsed().as_secs_f64() < seconds {
+                std::thread::sleep(Duration::from_secs(1));
+                let _quiet = gate.write().unwrap();
+                commit(&store);
+            }
+            stop.store(true, AtomicOrdering::Relaxed);
+            let done = workers.into_iter().map(|w| w.join().unwrap()).sum::<u64>() as f64;
+            done / start.elapsed().as_secs_f64() / threads as f64
+        }
+    }
+}
