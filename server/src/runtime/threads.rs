@@ -1018,11 +1018,28 @@ impl Shared {
                     None => Err("the store is not persistent".to_string()),
                 }
             } else {
-                self.log
-                    .commit(group, &pipeline.topic, item.partition, item.offset)
-                    .and_then(|()| {
-                        self.log
-                            .commit(group, &pipeline.retry_topic, item.partition, item.retry_offset)
+                // Each commit may cost an fsync: write only the positions that moved.
+                let (source_moved, retry_moved) = {
+                    let s = self.lock();
+                    let task = &s.tasks[item.task];
+                    (
+                        item.offset != task.committed,
+                        item.retry_offset != task.retry.committed,
+                    )
+                };
+                let source = match source_moved {
+                    true => self
+                        .log
+                        .commit(group, &pipeline.topic, item.partition, item.offset),
+                    false => Ok(()),
+                };
+                source
+                    .and_then(|()| match retry_moved {
+                        true => {
+                            self.log
+                                .commit(group, &pipeline.retry_topic, item.partition, item.retry_offset)
+                        }
+                        false => Ok(()),
                     })
                     .map_err(|e| e.to_string())
             };
