@@ -527,3 +527,97 @@ processor = "sum"
     let (status, rest, stderr) = server.wait_for_exit(DEADLINE);
     assert_eq!(status.code(), Some(0), "{}\n{stderr}", rest.join("\n"));
 }
+
+/// A data dir for one test under the temp dir, removed on drop.
+struct DataDir(PathBuf);
+
+impl DataDir {
+    fn new(name: &str) -> DataDir {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let path = std::env::temp_dir().join(format!("taskstream-{name}-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&path).expect("create the data dir");
+        DataDir(path)
+    }
+}
+
+impl Drop for DataDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `server_command` without `--in-memory`: the embedded default (application
+/// `taskstream`, store `counts` on 8 partitions) on `--data-dir DIR`.
+fn server_command_on_data_dir(dir: &Path) -> Command {
+    let mut command = Command::new(server_binary());
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("TASKSTREAM_") {
+            command.env_remove(name);
+        }
+    }
+    command.env("RUST_LOG", "info").arg("--data-dir").arg(dir);
+    command
+}
+
+/// Bytes that are no redb database (deterministic, neither zeros nor text).
+fn garbage(len: usize) -> Vec<u8> {
+    let mut state: u32 = 0x2545_f491;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            state as u8
+        })
+        .collect()
+}
+
+/// Writes garbage at `file` inside a fresh data dir, runs the server on the
+/// dir and expects exit 2 with the file named on stderr and left as it was.
+fn expect_refused_data_file(dir: &DataDir, file: &Path, case: &str) {
+    std::fs::create_dir_all(file.parent().expect("a parent")).expect("create the file's directory");
+    let bytes = garbage(16 * 1024);
+    std::fs::write(file, &bytes).expect("write the garbage file");
+    let output = expect_invalid_config(server_command_on_data_dir(&dir.0), case);
+    let shown = file.display().to_string();
+    assert_names(&output, case, &[&shown]);
+    assert!(
+        output.stderr.contains("error:"),
+        "{case}: no error line\n{}",
+        output.describe()
+    );
+    let after = std::fs::read(file).expect("the garbage file is still there");
+    assert!(
+        after == bytes,
+        "{case}: {shown} was changed ({} bytes, was {}): the data dir must never be reset",
+        after.len(),
+        bytes.len()
+    );
+}
+
+#[test]
+fn a_garbage_log_file_exits_2_naming_it_and_is_left_untouched() {
+    let dir = DataDir::new("garbage-log");
+    let log = dir.0.join("log.redb");
+    expect_refused_data_file(&dir, &log, "garbage log.redb");
+    // Refused before anything else was set up.
+    assert!(
+        !dir.0.join("stores").exists(),
+        "stores were created next to a log that could not be opened"
+    );
+}
+
+#[test]
+fn a_garbage_store_file_exits_2_naming_it_and_is_left_untouched() {
+    let dir = DataDir::new("garbage-store");
+    // stores/<application_id>/<pipeline>_<partition>.redb; the partitions before it open fine.
+    let store = dir.0.join("stores").join("taskstream").join("counts_5.redb");
+    expect_refused_data_file(&dir, &store, "garbage stores/taskstream/counts_5.redb");
+    assert!(
+        dir.0.join("log.redb").is_file(),
+        "the log should have been opened first"
+    );
+}
