@@ -1,0 +1,289 @@
+//! retry: 1 % of records fail twice. Healthy throughput (records that never
+//! fail, divided by the time until every one of them is complete, counted from
+//! the outcome subscription) against a run without failures; target ≥ 0.95
+//! with the retry topic, and the same ratio with `blocking` for contrast.
+
+use super::Ctx;
+use crate::plot::{self, Chart, Series};
+use crate::report::{ScenarioReport, Table, Verdict, group, rate, ratio, secs};
+use crate::workload::{self, Keys, deadline, prefill};
+use anyhow::{Context as _, anyhow};
+use std::time::{Duration, Instant};
+use taskstream_server::config::{LatencySpec, RetryPolicy};
+use taskstream_server::processor::Simulate;
+use taskstream_server::{
+    AppBuilder, Config, EndAt, MemoryLog, Outcome, ProcessingOrder, ProcessorSpec, StartAt, SubscribeRequest,
+    SubscriptionEvent,
+};
+
+const T: usize = 4;
+/// One more thread than T: a reserve thread that can drain the retry topic.
+const N: usize = T + 1;
+const LATENCY: [f64; 2] = [0.0, 1.0];
+const FAILURE_RATE: f64 = 0.01;
+const FAIL_ATTEMPTS: u32 = 2;
+const SEED: u64 = 6;
+/// Short backoffs keep the blocking variant's run bounded (the default 100 ms
+/// would stall a blocking partition 300 ms per failing record).
+const BACKOFF_MS: u64 = 10;
+const BACKOFF_MAX_MS: u64 = 1_000;
+const TARGET: f64 = 0.95;
+
+struct Measured {
+    healthy_total: u64,
+    healthy_done: u64,
+    /// Seconds until every healthy record was processed at its first attempt.
+    healthy_seconds: f64,
+    /// Seconds until every record had a final outcome, if it happened.
+    all_final_seconds: Option<f64>,
+    finished: bool,
+    /// Final outcomes by kind: processed after retries, failed, dead-lettered.
+    retried_ok: u64,
+    failed: u64,
+    dead_lettered: u64,
+    progress: Vec<(f64, f64)>,
+}
+
+impl Measured {
+    fn healthy_rate(&self) -> f64 {
+        self.healthy_done as f64 / self.healthy_seconds.max(1e-9)
+    }
+}
+
+fn spec(failure_rate: f64) -> Simulate {
+    Simulate {
+        latency_ms: Some(LatencySpec::Uniform(LATENCY)),
+        cpu_work_us: 0,
+        failure_rate,
+        fail_attempts: FAIL_ATTEMPTS,
+        seed: SEED,
+    }
+}
+
+fn measure(
+    records: u64,
+    failure_rate: f64,
+    policy: RetryPolicy,
+    timeout: Duration,
+) -> anyhow::Result<Measured> {
+    let sim = spec(failure_rate);
+    let healthy_total = (0..records).filter(|&o| !sim.is_failing_record(0, o)).count() as u64;
+    let mut config: Config = workload::config(
+        1,
+        N,
+        T,
+        ProcessingOrder::Offset,
+        ProcessorSpec::Simulate {
+            latency_ms: sim.latency_ms,
+            cpu_work_us: 0,
+            failure_rate,
+            fail_attempts: FAIL_ATTEMPTS,
+            seed: SEED,
+        },
+    );
+    config.retry_policy = policy;
+    config.retry_backoff_ms = BACKOFF_MS;
+    config.retry_backoff_max_ms = BACKOFF_MAX_MS;
+    // Every outcome stays in history and in the subscriber's buffer: a lag
+    // would lose counts and make the measurement wrong.
+    config.outcome_retention_records = records as usize + 10_000;
+    config.subscriber_buffer_batches = 65_536;
+    let log = MemoryLog::new();
+    prefill(
+        log.as_ref(),
+        workload::TOPIC,
+        1,
+        records,
+        Keys::Uniform { count: 1000, seed: 6 },
+        8,
+    )?;
+
+    let start = Instant::now();
+    let app = AppBuilder::new(config)
+        .log(log)
+        .start()
+        .context("start the runtime")?;
+    let mut subscription = app
+        .subscribe(
+            workload::STORE,
+            SubscribeRequest {
+                start: StartAt::Earliest,
+                end: EndAt::Open,
+                ..SubscribeRequest::default()
+            },
+        )
+        .context("subscribe to outcomes")?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()?;
+    let mut m = Measured {
+        healthy_total,
+        healthy_done: 0,
+        healthy_seconds: 0.0,
+        all_final_seconds: None,
+        finished: false,
+        retried_ok: 0,
+        failed: 0,
+        dead_lettered: 0,
+        progress: vec![(0.0, 0.0)],
+    };
+    let mut finals = 0u64;
+    let result: anyhow::Result<()> = runtime.block_on(async {
+        loop {
+            let left = timeout.saturating_sub(start.elapsed());
+            let event = match tokio::time::timeout(left, subscription.next()).await {
+                Err(_) => return Ok(()),
+                Ok(None) => return Err(anyhow!("the outcome subscription ended early")),
+                Ok(Some(event)) => event.context("outcome subscription")?,
+            };
+            let batch = match event {
+                SubscriptionEvent::Batch(batch) => batch,
+                SubscriptionEvent::Lagged { missed_batches } => {
+                    return Err(anyhow!(
+                        "the outcome subscription lagged by {missed_batches} batches; counts would be wrong"
+                    ));
+                }
+            };
+            for r in &batch.records {
+                match r.outcome {
+                    Outcome::Processed if r.attempts == 1 => m.healthy_done += 1,
+                    Outcome::Processed => m.retried_ok += 1,
+                    Outcome::Failed => m.failed += 1,
+                    Outcome::DeadLettered => m.dead_lettered += 1,
+                    Outcome::Retrying => {}
+                }
+                finals += u64::from(r.outcome.is_final());
+            }
+            let now = start.elapsed().as_secs_f64();
+            m.progress.push((now, m.healthy_done as f64));
+            if m.healthy_done >= healthy_total && m.healthy_seconds == 0.0 {
+                m.healthy_seconds = now;
+            }
+            if finals >= records {
+                m.all_final_seconds = Some(now);
+                return Ok(());
+            }
+        }
+    });
+    if m.healthy_seconds == 0.0 {
+        // Not every healthy record completed in time: report the rate so far.
+        m.healthy_seconds = start.elapsed().as_secs_f64();
+    } else {
+        m.finished = true;
+    }
+    drop(subscription);
+    app.shutdown()?;
+    result?;
+    Ok(m)
+}
+
+pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
+    let seconds = ctx.variant_seconds();
+    let ideal = T as f64 * 1000.0 / ((LATENCY[0] + LATENCY[1]) / 2.0);
+    let records = (seconds * ideal).round() as u64;
+    let failing = (0..records)
+        .filter(|&o| spec(FAILURE_RATE).is_failing_record(0, o))
+        .count();
+    let mut report = ScenarioReport::new(
+        "retry",
+        "healthy throughput under failures",
+        format!(
+            "`simulate` latency uniform in {}–{} ms, 1 partition, T = {T}, N = {N} (one reserve \
+             thread), offset order, {} records; with failures, `failure_rate = {FAILURE_RATE}` and \
+             `fail_attempts = {FAIL_ATTEMPTS}` ({failing} records fail twice, then succeed), \
+             `retry_backoff_ms = {BACKOFF_MS}`, `retry_backoff_max_ms = {BACKOFF_MAX_MS}`. Healthy \
+             throughput = records that never fail / seconds from `start()` until each of them has the \
+             outcome Processed at attempt 1, counted from `StreamsApp::subscribe` (from the earliest \
+             offset, nothing retained is missed). Ratio = healthy throughput / throughput without failures.",
+            LATENCY[0],
+            LATENCY[1],
+            group(records)
+        ),
+    );
+    let variants = [
+        ("no failures", 0.0, RetryPolicy::RetryTopic),
+        ("retry_topic", FAILURE_RATE, RetryPolicy::RetryTopic),
+        ("blocking (contrast)", FAILURE_RATE, RetryPolicy::Blocking),
+    ];
+    let mut measured = Vec::new();
+    for (name, rate_, policy) in variants {
+        measured.push((name, measure(records, rate_, policy, deadline(seconds * 3.0))?));
+    }
+    let base = measured[0].1.healthy_rate();
+    let mut table = Table::new(
+        "",
+        &[
+            "variant",
+            "healthy records",
+            "seconds to all healthy",
+            "healthy records/s",
+            "ratio to no failures",
+            "seconds to all final",
+            "retried then processed / failed / dead-lettered",
+            "target",
+            "pass/miss",
+        ],
+    );
+    for (i, (name, m)) in measured.iter().enumerate() {
+        let r = m.healthy_rate() / base;
+        table.row(vec![
+            name.to_string(),
+            format!("{} of {}", group(m.healthy_done), group(m.healthy_total)),
+            format!(
+                "{}{}",
+                secs(m.healthy_seconds),
+                if m.finished { "" } else { " (timed out)" }
+            ),
+            rate(m.healthy_rate()),
+            if i == 0 { "1.000".into() } else { ratio(r) },
+            m.all_final_seconds.map_or("not within the deadline".into(), secs),
+            format!("{} / {} / {}", m.retried_ok, m.failed, m.dead_lettered),
+            if i == 0 {
+                "baseline".into()
+            } else {
+                format!("≥ {TARGET}")
+            },
+            if i == 0 {
+                Verdict::NoTarget
+            } else {
+                Verdict::of(m.finished && r >= TARGET)
+            }
+            .as_str()
+            .into(),
+        ]);
+    }
+    report.tables.push(table);
+    if measured
+        .iter()
+        .skip(1)
+        .all(|(_, m)| m.retried_ok == 0 && m.dead_lettered == 0)
+    {
+        report.notes.push(
+            "No record was retried: failed records ended at their first attempt (outcome Failed), \
+             so this runtime does not retry yet and the ratios above measure only the cost of failing."
+                .into(),
+        );
+    }
+
+    let mut series: Vec<Series> = measured
+        .iter()
+        .map(|(name, m)| Series::line(*name, m.progress.clone()))
+        .collect();
+    let healthy = measured[1].1.healthy_total as f64;
+    series.push(Series::reference(
+        "ideal",
+        vec![(0.0, 0.0), (healthy / ideal, healthy)],
+    ));
+    plot::draw(
+        &ctx.plot_path("retry"),
+        &Chart {
+            title: format!("retry: 1 % of records fail twice, T = {T}"),
+            x_label: "seconds since start".into(),
+            y_label: "healthy records processed (attempt 1)".into(),
+            log_x: false,
+            series,
+        },
+    )?;
+    report.plots.push("retry.png".into());
+    Ok(report)
+}

@@ -1,0 +1,301 @@
+//! In-process runs of the runtime: prefill a `MemoryLog`, start a `StreamsApp`
+//! on it and time it from start until every task's watermark reaches the end
+//! of its partition, sampling progress on the way. Also peak RSS and temp dirs.
+
+use anyhow::{Context as _, anyhow};
+use bytes::Bytes;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use taskstream_server::config::{LatencySpec, StoreKind};
+use taskstream_server::processor::splitmix64;
+use taskstream_server::{
+    Config, Log, MemoryLog, PipelineConfig, ProcessingOrder, Processor, ProcessorSpec, ProducerRecord,
+    StreamsApp, TopicConfig,
+};
+
+pub const TOPIC: &str = "bench-in";
+pub const STORE: &str = "bench";
+
+/// How records are keyed.
+#[derive(Debug, Clone, Copy)]
+pub enum Keys {
+    /// Each record draws one of `count` keys uniformly (seeded, reproducible).
+    Uniform { count: u32, seed: u64 },
+    /// Record i has key i: every record its own key.
+    Distinct,
+}
+
+impl Keys {
+    pub fn describe(&self) -> String {
+        match self {
+            Keys::Uniform { count, .. } => {
+                format!("{} keys drawn uniformly", crate::report::group(*count as u64))
+            }
+            Keys::Distinct => "a distinct key per record".to_string(),
+        }
+    }
+}
+
+/// Appends `records` keyed records (value: `value_bytes` bytes) to `topic`.
+pub fn prefill(
+    log: &dyn Log,
+    topic: &str,
+    partitions: u32,
+    records: u64,
+    keys: Keys,
+    value_bytes: usize,
+) -> anyhow::Result<()> {
+    log.ensure_topic(topic, partitions)?;
+    let table: Vec<Bytes> = match keys {
+        Keys::Uniform { count, .. } => (0..count).map(|k| Bytes::from(format!("key-{k:07}"))).collect(),
+        Keys::Distinct => Vec::new(),
+    };
+    let value = Bytes::from(vec![b'v'; value_bytes]);
+    let mut next = 0u64;
+    while next < records {
+        let chunk = (records - next).min(50_000);
+        let batch: Vec<ProducerRecord> = (next..next + chunk)
+            .map(|i| {
+                let key = match keys {
+                    // Cloning a `Bytes` of the table shares it: no allocation per record.
+                    Keys::Uniform { count, seed } => {
+                        table[(splitmix64(seed ^ i) % count as u64) as usize].clone()
+                    }
+                    Keys::Distinct => Bytes::from(format!("key-{i:09}")),
+                };
+                ProducerRecord {
+                    key: Some(key),
+                    value: value.clone(),
+                    ..ProducerRecord::default()
+                }
+            })
+            .collect();
+        log.append(topic, batch)?;
+        next += chunk;
+    }
+    Ok(())
+}
+
+/// One pipeline `STORE` on `TOPIC` with N threads and T per task.
+pub fn config(
+    partitions: u32,
+    n: usize,
+    t: usize,
+    order: ProcessingOrder,
+    processor: ProcessorSpec,
+) -> Config {
+    Config {
+        application_id: "bench".into(),
+        application_server: "127.0.0.1:0".into(),
+        num_stream_threads: n,
+        num_threads_per_task: t,
+        processing_order: order,
+        topics: vec![TopicConfig::new(TOPIC, partitions)],
+        pipelines: vec![PipelineConfig::new(STORE, TOPIC, processor)],
+        ..Config::default()
+    }
+}
+
+/// The `simulate` processor with a latency and nothing else.
+pub fn simulate(latency_ms: Option<LatencySpec>) -> ProcessorSpec {
+    ProcessorSpec::Simulate {
+        latency_ms,
+        cpu_work_us: 0,
+        failure_rate: 0.0,
+        fail_attempts: 0,
+        seed: 42,
+    }
+}
+
+/// What one timed run did.
+#[derive(Debug, Clone)]
+pub struct Run {
+    /// Records completed (every record, when `finished`).
+    pub completed: u64,
+    /// Seconds from `start()` until caught up (or until the deadline).
+    pub seconds: f64,
+    /// Caught up before the deadline.
+    pub finished: bool,
+    /// (seconds, records completed) samples, for progress plots.
+    pub progress: Vec<(f64, f64)>,
+    /// Peak RSS of this process during the run (VmHWM after a reset), if known.
+    pub peak_rss: Option<u64>,
+    /// RSS just before `start()` (the prefilled log is part of it).
+    pub rss_before: Option<u64>,
+    /// The store kind the runtime reports for the pipeline (it may differ from the config's).
+    pub store_kind: Option<StoreKind>,
+}
+
+impl Run {
+    pub fn throughput(&self) -> f64 {
+        self.completed as f64 / self.seconds.max(1e-9)
+    }
+}
+
+/// Starts `config` on `log` (already holding `expected` records in the
+/// pipeline's source topic) and waits until every task's watermark reaches its
+/// partition's end, or `timeout`. The clock starts before `start()`.
+pub fn run_prefilled(
+    config: Config,
+    log: Arc<MemoryLog>,
+    processors: Vec<(String, Arc<dyn Processor>)>,
+    expected: u64,
+    timeout: Duration,
+) -> anyhow::Result<Run> {
+    let store = config
+        .pipelines
+        .first()
+        .map(|p| p.name.clone())
+        .ok_or_else(|| anyhow!("the config has no pipeline"))?;
+    let mut builder = StreamsApp::builder(config).log(log);
+    for (name, processor) in processors {
+        builder = builder.processor(&name, processor);
+    }
+    reset_peak_rss();
+    let rss_before = rss_field(None, "VmRSS:");
+    let start = Instant::now();
+    let app = builder.start().context("start the runtime")?;
+    let mut progress = vec![(0.0, 0.0)];
+    let mut last_sample = Duration::ZERO;
+    let (completed, seconds, finished) = loop {
+        // Errors while the app is starting are retried: it may report UNAVAILABLE.
+        let (done, caught_up) = match app.process_metadata_for_store(&store, false) {
+            Ok(metadata) => {
+                let tasks: Vec<_> = metadata.instances.iter().flat_map(|i| i.tasks.iter()).collect();
+                let done: u64 = tasks.iter().map(|t| t.records_processed).sum();
+                let end: u64 = tasks.iter().map(|t| t.end_offset).sum();
+                (done, end >= expected && tasks.iter().all(|t| t.lag == 0))
+            }
+            Err(_) => (0, false),
+        };
+        let now = start.elapsed();
+        if caught_up {
+            progress.push((now.as_secs_f64(), expected as f64));
+            break (expected, now.as_secs_f64(), true);
+        }
+        if now.saturating_sub(last_sample) >= Duration::from_millis(10) {
+            progress.push((now.as_secs_f64(), done as f64));
+            last_sample = now;
+        }
+        if now >= timeout {
+            break (done, now.as_secs_f64(), false);
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let peak_rss = peak_rss(None);
+    let store_kind = app.describe().pipelines.first().map(|p| p.store_kind);
+    app.shutdown().context("shut the runtime down")?;
+    Ok(Run {
+        completed,
+        seconds,
+        finished,
+        progress,
+        peak_rss,
+        rss_before,
+        store_kind,
+    })
+}
+
+/// A prefilled log plus `run_prefilled`, for the common case.
+pub fn run_fresh(
+    config: Config,
+    records: u64,
+    keys: Keys,
+    processors: Vec<(String, Arc<dyn Processor>)>,
+    timeout: Duration,
+) -> anyhow::Result<Run> {
+    let partitions = config.topics.first().map_or(1, |t| t.partitions);
+    let log = MemoryLog::new();
+    prefill(log.as_ref(), TOPIC, partitions, records, keys, 8)?;
+    run_prefilled(config, log, processors, records, timeout)
+}
+
+/// A deadline for a run expected to take `expected` seconds: generous, so a
+/// slow machine still finishes, but bounded, so a stuck run cannot hang CI.
+pub fn deadline(expected: f64) -> Duration {
+    Duration::from_secs_f64((expected * 10.0 + 10.0).min(300.0))
+}
+
+/// Resets this process's peak RSS (VmHWM), so the next reading covers what follows.
+pub fn reset_peak_rss() {
+    // Linux ≥ 4.0: writing 5 to clear_refs resets the high-water mark.
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// Peak RSS in bytes (VmHWM) of `pid`, or of this process.
+pub fn peak_rss(pid: Option<u32>) -> Option<u64> {
+    rss_field(pid, "VmHWM:")
+}
+
+/// A `kB` field of /proc/<pid>/status, in bytes.
+fn rss_field(pid: Option<u32>, field: &str) -> Option<u64> {
+    let path = match pid {
+        Some(pid) => format!("/proc/{pid}/status"),
+        None => "/proc/self/status".to_string(),
+    };
+    let status = std::fs::read_to_string(path).ok()?;
+    status
+        .lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+}
+
+/// A fresh directory under the system temp dir, removed on drop.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(name: &str) -> anyhow::Result<TempDir> {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("taskstream-bench-{name}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).with_context(|| format!("create {}", path.display()))?;
+        Ok(TempDir(path))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Bytes of every file under `dir` (0 when it is empty or missing).
+pub fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            Ok(_) => e.metadata().map_or(0, |m| m.len()),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+/// What a persistent variant really ran with: the store kind the runtime
+/// reports, and what it wrote under `data_dir`.
+pub fn persistence_note(wanted: StoreKind, reported: Option<StoreKind>, data_dir: &Path) -> String {
+    let bytes = dir_bytes(data_dir);
+    match reported {
+        Some(kind) if kind != wanted => format!(
+            "store = \"{}\" not honoured: the runtime reports \"{}\"",
+            wanted.as_str(),
+            kind.as_str()
+        ),
+        _ if bytes == 0 => format!(
+            "store = \"{}\" not honoured yet: nothing was written under data_dir",
+            wanted.as_str()
+        ),
+        _ => format!("{} under data_dir", crate::report::mib(bytes)),
+    }
+}
