@@ -413,7 +413,7 @@ fn a_record_running_past_the_processing_timeout_takes_the_retry_path() {
 fn reserve_threads_are_lent_to_retries_and_return_when_the_backlog_is_drained() {
     // Retries are slow, so the lent threads can be seen.
     let slow_retries = Arc::new(|record: &Record, ctx: &ProcessorContext<'_>| {
-        if record.offset % 10 == 0 {
+        if record.offset.is_multiple_of(10) {
             if ctx.attempt == 1 {
                 return Err(ProcessError::new("Flaky", "first attempt"));
             }

@@ -570,6 +570,28 @@ impl Config {
             }
         }
         self.topic_partitions()?;
+        if self.data_dir.is_some() {
+            // A memory store is rebuilt by replaying its source from the start:
+            // retention there would silently restore a fraction of the state.
+            for (i, topic) in self.topics.iter().enumerate() {
+                let limited = topic.log_retention_bytes.is_some() || topic.log_retention_ms.is_some();
+                let memory_reader = self
+                    .pipelines
+                    .iter()
+                    .find(|p| p.source_topic == topic.name && self.store_kind(p) == StoreKind::Memory);
+                if let (true, Some(pipeline)) = (limited, memory_reader) {
+                    return Err(ConfigError::new(
+                        format!("topics[{i}].log_retention_*"),
+                        format!(
+                            "topic `{}` feeds pipeline `{}`, whose memory store is rebuilt at start by replaying \
+                             the whole topic; retention would lose its state. Use store = \"persistent\" for \
+                             that pipeline, or drop the retention setting",
+                            topic.name, pipeline.name
+                        ),
+                    ));
+                }
+            }
+        }
         let max_t = self.max_threads_per_task();
         if self.num_stream_threads < max_t {
             let which = if max_t == self.num_threads_per_task {
