@@ -621,3 +621,73 @@ fn a_garbage_store_file_exits_2_naming_it_and_is_left_untouched() {
         "the log should have been opened first"
     );
 }
+
+/// `GET /metrics` on the metrics address, as Prometheus scrapes it.
+fn scrape(addr: &str) -> String {
+    use std::io::Write as _;
+    let mut socket = std::net::TcpStream::connect(addr).expect("connect to the metrics address");
+    socket.set_read_timeout(Some(DEADLINE)).expect("read timeout");
+    socket
+        .write_all(b"GET /metrics HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        .expect("send the request");
+    let mut response = String::new();
+    socket.read_to_string(&mut response).expect("read the response");
+    assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
+    response
+}
+
+#[test]
+fn metrics_listen_serves_record_outcomes_retry_backlog_and_thread_states_to_prometheus() {
+    let mut command = server_command();
+    command
+        .args(["--metrics-listen", "127.0.0.1:0"])
+        .env("TASKSTREAM_COMMIT_INTERVAL_MS", "20");
+    let mut server = ServerProcess::start(command);
+    let metrics_addr = server
+        .banner
+        .iter()
+        .find_map(|l| l.trim().strip_prefix("metrics:"))
+        .and_then(|rest| rest.trim().strip_prefix("http://"))
+        .and_then(|rest| rest.split('/').next())
+        .map(str::to_string)
+        .unwrap_or_else(|| panic!("no metrics line in {:#?}", server.banner));
+
+    runtime().block_on(async {
+        let client = connect(&server.addr).await;
+        let records: Vec<v1::ProducerRecord> = (0..300)
+            .map(|i| keyed_record(format!("key-{}", i % 7), i.to_string()))
+            .collect();
+        client.produce("events", records).await.expect("produce");
+        wait_until_caught_up(&client, "counts", 300).await;
+    });
+    let processed = r#"taskstream_records_total{pipeline="counts",outcome="processed"} 300"#;
+    let deadline = Instant::now() + DEADLINE;
+    let text = loop {
+        let text = scrape(&metrics_addr);
+        // Gauges are refreshed at each commit round: wait for one after the work.
+        if text.contains(processed) && text.contains(r#"taskstream_lag_records{pipeline="counts"} 0"#) {
+            break text;
+        }
+        assert!(Instant::now() < deadline, "{text}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(text.contains("# TYPE taskstream_records_total counter"), "{text}");
+    assert!(
+        text.contains(r#"taskstream_retry_backlog_records{pipeline="counts"} 0"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"taskstream_dead_letter_records{pipeline="counts"} 0"#),
+        "{text}"
+    );
+    let threads: u32 = text
+        .lines()
+        .filter(|l| l.starts_with("taskstream_stream_threads{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u32>().ok())
+        .sum();
+    assert_eq!(threads, 4, "every stream thread is in one state: {text}");
+
+    server.signal("TERM");
+    let (status, rest, stderr) = server.wait_for_exit(DEADLINE);
+    assert_eq!(status.code(), Some(0), "{}\n{stderr}", rest.join("\n"));
+}

@@ -9,6 +9,7 @@
 //! - `processor`: the `Processor` trait and the built-ins.
 //! - `store`: the `KeyValueStore` trait and backends.
 //! - `metadata`: StreamsMetadata, record outcomes, subscriptions.
+//! - `metrics`: Prometheus metrics (recorded by the runtime, served by the binary).
 //! - `runtime`: threads, tasks, scheduling, sequencer/watermark, commits, the
 //!   retry path (retry and dead-letter topics), store restore; `StreamsApp`.
 //! - `service`: gRPC handlers, a thin translation, and the one place errors become `Status`.
@@ -19,6 +20,7 @@
 pub mod config;
 pub mod log;
 pub mod metadata;
+pub mod metrics;
 pub mod processor;
 pub mod runtime;
 pub mod service;

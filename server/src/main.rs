@@ -89,6 +89,11 @@ struct Cli {
     /// Keep the log and stores in memory only: everything is lost on exit.
     #[arg(long, env = "TASKSTREAM_IN_MEMORY")]
     in_memory: bool,
+
+    /// Serve Prometheus metrics over HTTP on this address (host:port; port 0
+    /// picks a free port), e.g. 127.0.0.1:9464. Off when absent.
+    #[arg(long, env = "TASKSTREAM_METRICS_LISTEN", value_name = "ADDR")]
+    metrics_listen: Option<String>,
 }
 
 /// Where the embedded default keeps its data, under the working directory.
@@ -211,7 +216,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(cli.listen, settings)) {
+    match runtime.block_on(run(cli.listen, cli.metrics_listen, settings)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error:#}");
@@ -227,7 +232,7 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(listen: String, settings: Settings) -> anyhow::Result<()> {
+async fn run(listen: String, metrics_listen: Option<String>, settings: Settings) -> anyhow::Result<()> {
     let Settings {
         mut config,
         application_server_set,
@@ -248,6 +253,19 @@ async fn run(listen: String, settings: Settings) -> anyhow::Result<()> {
         }
     }
 
+    let metrics_address = match metrics_listen {
+        Some(metrics_listen) => {
+            let listener = TcpListener::bind(&metrics_listen)
+                .await
+                .with_context(|| format!("cannot serve metrics on {metrics_listen}"))?;
+            let address = listener.local_addr().context("cannot read the metrics address")?;
+            let handle = taskstream_server::metrics::install().map_err(anyhow::Error::msg)?;
+            tokio::spawn(taskstream_server::metrics::serve(listener, handle));
+            Some(address)
+        }
+        None => None,
+    };
+
     // Handlers first, so a signal right after the "listening" line is not lost.
     let mut sigterm = signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
     let mut sigint = signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?;
@@ -262,7 +280,7 @@ async fn run(listen: String, settings: Settings) -> anyhow::Result<()> {
     let app = tokio::task::spawn_blocking(move || StreamsApp::start(config))
         .await
         .context("the runtime failed to start")??;
-    print_banner(&app, address, &source)?;
+    print_banner(&app, address, metrics_address, &source)?;
 
     service::serve(app, listener, shutdown).await?;
     println!("taskstream stopped: watermarks committed");
@@ -272,7 +290,12 @@ async fn run(listen: String, settings: Settings) -> anyhow::Result<()> {
 
 /// What runs and how to reach it, on stdout. The last line is the one scripts
 /// and tests wait for.
-fn print_banner(app: &StreamsApp, address: SocketAddr, source: &str) -> std::io::Result<()> {
+fn print_banner(
+    app: &StreamsApp,
+    address: SocketAddr,
+    metrics: Option<SocketAddr>,
+    source: &str,
+) -> std::io::Result<()> {
     let config = app.config();
     let mut out = std::io::stdout().lock();
     writeln!(
@@ -305,6 +328,9 @@ fn print_banner(app: &StreamsApp, address: SocketAddr, source: &str) -> std::io:
         .map(|(name, partitions)| format!("{name} ({partitions} partitions)"))
         .collect();
     writeln!(out, "  topics:      {}", topics.join(", "))?;
+    if let Some(metrics) = metrics {
+        writeln!(out, "  metrics:     http://{metrics}/metrics (Prometheus)")?;
+    }
     match &config.data_dir {
         Some(dir) => writeln!(
             out,

@@ -281,6 +281,52 @@ impl Shared {
         task.retry.backlog(end)
     }
 
+    /// Sets the gauges of `crate::metrics` from the scheduler's state.
+    fn publish_gauges(&self, s: &Sched) {
+        use crate::metrics::{DEAD_LETTERED, LAG, RETRY_BACKLOG, THREADS};
+        for pipeline in &self.pipelines {
+            let tasks = &s.tasks[pipeline.first_task..pipeline.first_task + pipeline.partitions as usize];
+            let backlog: u64 = tasks.iter().map(|t| self.retry_backlog(t)).sum();
+            let lag: u64 = tasks
+                .iter()
+                .map(|t| {
+                    let end = self.log.end_offset(&pipeline.topic, t.partition).unwrap_or(0);
+                    end.saturating_sub(t.seq.watermark())
+                })
+                .sum();
+            let dead: u64 = (0..pipeline.partitions)
+                .map(|p| {
+                    let end = self.log.end_offset(&pipeline.dead_letter_topic, p).unwrap_or(0);
+                    end - self
+                        .log
+                        .start_offset(&pipeline.dead_letter_topic, p)
+                        .unwrap_or(0)
+                        .min(end)
+                })
+                .sum();
+            let name = pipeline.name.to_string();
+            metrics::gauge!(RETRY_BACKLOG, "pipeline" => name.clone()).set(backlog as f64);
+            metrics::gauge!(LAG, "pipeline" => name.clone()).set(lag as f64);
+            metrics::gauge!(DEAD_LETTERED, "pipeline" => name).set(dead as f64);
+        }
+        let mut by_state = [0u32; 5];
+        for (i, thread) in s.threads.iter().enumerate().filter(|(_, t)| t.alive) {
+            by_state[match (thread.stopping, thread.on_retry, thread.current) {
+                (true, _, _) => 4,
+                (false, true, _) => 3,
+                (false, false, Some(task)) if s.tasks[task].owner == i => 0,
+                (false, false, Some(_)) => 1,
+                (false, false, None) => 2,
+            }] += 1;
+        }
+        for (state, count) in ["owner", "helper", "reserve", "retry", "stopping"]
+            .into_iter()
+            .zip(by_state)
+        {
+            metrics::gauge!(THREADS, "state" => state).set(f64::from(count));
+        }
+    }
+
     /// Which records each topic partition must keep, for `enforce_retention`:
     /// a configured topic keeps what its slowest pipeline has not committed; a
     /// retry topic keeps only what is not final and committed.

@@ -565,6 +565,7 @@ impl UnitContext {
     }
 
     fn batch(&self, pipeline: &PipelineRuntime, records: Vec<RecordOutcome>) -> OutcomeBatch {
+        crate::metrics::record_outcomes(&pipeline.name, &records);
         OutcomeBatch {
             task_id: self.task_id.clone(),
             pipeline: pipeline.name.clone(),
@@ -930,6 +931,7 @@ impl Shared {
             s.next_retention_at = Instant::now() + super::RETENTION_INTERVAL;
         }
         let retention = retention_due.then(|| self.retention_plan(&s));
+        self.publish_gauges(&s);
         drop(s);
         self.dispatch_commits(items);
         if let Some(plan) = retention {
@@ -1043,6 +1045,8 @@ impl Shared {
                     })
                     .map_err(|e| e.to_string())
             };
+            let label = if result.is_ok() { "ok" } else { "error" };
+            metrics::counter!(crate::metrics::COMMITS, "result" => label).increment(1);
             if result.is_ok() {
                 let mut s = self.lock();
                 let task = &mut s.tasks[item.task];

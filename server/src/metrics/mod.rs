@@ -1,0 +1,99 @@
+//! Prometheus metrics through the `metrics` facade: record counts by outcome,
+//! retry backlog, dead-lettered records, lag and threads by state. The runtime
+//! only records (a no-op without a recorder); the binary installs the
+//! Prometheus recorder and serves `GET /metrics` (`serve`).
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use std::sync::OnceLock;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpListener;
+
+pub const RECORDS: &str = "taskstream_records_total";
+pub const RETRY_BACKLOG: &str = "taskstream_retry_backlog_records";
+pub const DEAD_LETTERED: &str = "taskstream_dead_letter_records";
+pub const LAG: &str = "taskstream_lag_records";
+pub const THREADS: &str = "taskstream_stream_threads";
+pub const COMMITS: &str = "taskstream_commits_total";
+
+fn describe() {
+    metrics::describe_counter!(
+        RECORDS,
+        "Record outcomes by pipeline and outcome (processed, retrying, dead_lettered, failed)"
+    );
+    metrics::describe_gauge!(
+        RETRY_BACKLOG,
+        "Records in a pipeline's retry topic without a final outcome"
+    );
+    metrics::describe_gauge!(DEAD_LETTERED, "Records in a pipeline's dead-letter topic");
+    metrics::describe_gauge!(
+        LAG,
+        "Records of a pipeline not yet completed (end offset − watermark)"
+    );
+    metrics::describe_gauge!(
+        THREADS,
+        "Stream threads by state (owner, helper, reserve, retry, stopping)"
+    );
+    metrics::describe_counter!(COMMITS, "Task commits by result (ok, error)");
+}
+
+/// Installs the process-wide Prometheus recorder (once; later calls return the same handle).
+pub fn install() -> Result<PrometheusHandle, String> {
+    static HANDLE: OnceLock<Result<PrometheusHandle, String>> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let handle = PrometheusBuilder::new()
+                .install_recorder()
+                .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+            describe();
+            Ok(handle)
+        })
+        .clone()
+}
+
+/// Serves the metrics in Prometheus' text format to every HTTP request on
+/// `listener` (any path) until the future is dropped. One small response per
+/// connection, so plain HTTP/1.x is all it needs.
+pub async fn serve(listener: TcpListener, handle: PrometheusHandle) {
+    loop {
+        let Ok((mut socket, _)) = listener.accept().await else {
+            continue;
+        };
+        let handle = handle.clone();
+        tokio::spawn(async move {
+            // The request itself does not matter: read what arrived, answer, close.
+            let mut request = [0u8; 2048];
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), socket.read(&mut request)).await;
+            let body = handle.render();
+            let response = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\n\
+                 connection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = socket.write_all(response.as_bytes()).await;
+            let _ = socket.shutdown().await;
+        });
+    }
+}
+
+/// Counts a batch's outcomes for `pipeline`.
+pub(crate) fn record_outcomes(pipeline: &str, records: &[crate::metadata::RecordOutcome]) {
+    use crate::metadata::Outcome;
+    let mut counts = [0u64; 4];
+    for record in records {
+        counts[match record.outcome {
+            Outcome::Processed => 0,
+            Outcome::Retrying => 1,
+            Outcome::DeadLettered => 2,
+            Outcome::Failed => 3,
+        }] += 1;
+    }
+    for (outcome, count) in ["processed", "retrying", "dead_lettered", "failed"]
+        .into_iter()
+        .zip(counts)
+    {
+        if count > 0 {
+            metrics::counter!(RECORDS, "pipeline" => pipeline.to_string(), "outcome" => outcome)
+                .increment(count);
+        }
+    }
+}
