@@ -61,6 +61,8 @@ pub(crate) struct Task {
     pub(crate) active: usize,
     pub(crate) seq: Sequencer<Arc<OutcomeBatch>>,
     ready: VecDeque<WorkUnit>,
+    /// Records in `ready`.
+    ready_records: usize,
     lanes: Vec<Lane>,
     lane_cursor: usize,
     /// A thread is reading the log for this task right now.
@@ -107,7 +109,11 @@ impl Task {
         retry: RetryQueue,
     ) -> Task {
         let lanes = if order == ProcessingOrder::Key {
-            (0..threads_per_task * 4).map(|_| Lane::default()).collect()
+            // Many lanes per thread: keys spread finely, so no lane is much
+            // longer than the average (lanes are processed one unit at a time).
+            (0..(threads_per_task * 16).min(4096))
+                .map(|_| Lane::default())
+                .collect()
         } else {
             Vec::new()
         };
@@ -121,6 +127,7 @@ impl Task {
             active: 0,
             seq: Sequencer::new(start),
             ready: VecDeque::new(),
+            ready_records: 0,
             lanes,
             lane_cursor: 0,
             fetching: false,
@@ -200,20 +207,45 @@ impl Task {
             return None;
         }
         let unit = if self.order == ProcessingOrder::Key {
+            // Longest lane first: lanes are serial, so the longest decides when
+            // the task finishes (LPT scheduling); ties go round the cursor.
             let n = self.lanes.len();
             let lane = (0..n)
                 .map(|i| (self.lane_cursor + i) % n)
-                .find(|&i| !self.lanes[i].busy && !self.lanes[i].queue.is_empty())?;
+                .filter(|&i| !self.lanes[i].busy && !self.lanes[i].queue.is_empty())
+                .max_by_key(|&i| {
+                    (
+                        self.lanes[i].queue.len(),
+                        std::cmp::Reverse((i + n - self.lane_cursor) % n),
+                    )
+                })?;
             self.lane_cursor = (lane + 1) % n;
+            // Units shrink as the queued work does, so the last ones are small
+            // enough for every thread to share the tail.
+            let queued: usize = self.lanes.iter().map(|l| l.queue.len()).sum();
+            let cap = queued
+                .div_ceil(self.threads_per_task * 4)
+                .clamp(1, self.max_batch_records);
             let lane_ref = &mut self.lanes[lane];
             lane_ref.busy = true;
-            let take = lane_ref.queue.len().min(self.max_batch_records);
+            let take = lane_ref.queue.len().min(cap);
             WorkUnit {
                 records: lane_ref.queue.drain(..take).collect(),
                 lane: Some(lane),
             }
         } else {
-            self.ready.pop_front()?
+            let mut unit = self.ready.pop_front()?;
+            // As in `key` order: the last units of a fetch shrink so the tail is shared.
+            let cap = self.ready_records.div_ceil(self.threads_per_task * 4).max(1);
+            if self.threads_per_task > 1 && unit.records.len() > cap {
+                let rest = unit.records.split_off(cap);
+                self.ready.push_front(WorkUnit {
+                    records: rest,
+                    lane: None,
+                });
+            }
+            self.ready_records -= unit.records.len();
+            unit
         };
         self.active += 1;
         Some(unit)
@@ -230,7 +262,10 @@ impl Task {
                 }
                 lane.busy = false;
             }
-            None => self.ready.push_front(unit),
+            None => {
+                self.ready_records += unit.records.len();
+                self.ready.push_front(unit)
+            }
         }
     }
 
@@ -249,17 +284,19 @@ impl Task {
             }
             return;
         }
-        // Enough ranges that every thread of the task gets some, but not so
-        // small that scheduling costs more than the records.
+        // Enough ranges that every thread of the task gets several (so the
+        // tail of a fetch is shared, not left to a few long ranges), but not
+        // so small that scheduling costs more than the records.
         let divisor = if self.threads_per_task == 1 {
             1
         } else {
-            self.threads_per_task * 4
+            self.threads_per_task * 16
         };
         let size = records.len().div_ceil(divisor).clamp(1, self.max_batch_records);
         let mut records = records.into_iter().peekable();
         while records.peek().is_some() {
             let chunk: Vec<Record> = records.by_ref().take(size).collect();
+            self.ready_records += chunk.len();
             self.ready.push_back(WorkUnit {
                 records: chunk,
                 lane: None,
