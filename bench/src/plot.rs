@@ -25,14 +25,38 @@ pub struct Series {
     pub points: Vec<(f64, f64)>,
     /// Reference lines (ideal, target) are drawn dashed and grey.
     pub reference: bool,
+    /// A dot on every measured point.
+    pub markers: bool,
 }
 
 impl Series {
+    /// Measured points joined by lines, each with a dot.
     pub fn line(name: impl Into<String>, points: Vec<(f64, f64)>) -> Series {
         Series {
             name: name.into(),
             points,
             reference: false,
+            markers: true,
+        }
+    }
+
+    /// A count sampled over time, drawn as steps: it holds until the next
+    /// sample instead of seeming to grow between samples.
+    pub fn progress(name: impl Into<String>, samples: Vec<(f64, f64)>) -> Series {
+        let mut points = Vec::with_capacity(samples.len() * 2);
+        for (x, y) in samples {
+            if let Some(&(_, previous)) = points.last()
+                && previous != y
+            {
+                points.push((x, previous));
+            }
+            points.push((x, y));
+        }
+        Series {
+            name: name.into(),
+            points,
+            reference: false,
+            markers: false,
         }
     }
 
@@ -41,6 +65,7 @@ impl Series {
             name: name.into(),
             points,
             reference: true,
+            markers: false,
         }
     }
 }
@@ -146,14 +171,14 @@ fn render(pixels: &mut [u8], chart: &Chart) -> anyhow::Result<()> {
                         .map_err(|e| anyhow!("{e}"))?
                         .label(series.name.as_str())
                         .legend(legend);
-                    if series.points.len() <= 40 {
+                    if series.markers {
                         ctx.draw_series(series.points.iter().map(|&p| Circle::new(p, 4, color.filled())))
                             .map_err(|e| anyhow!("{e}"))?;
                     }
                 }
             }
             ctx.configure_series_labels()
-                .position(SeriesLabelPosition::UpperLeft)
+                .position(SeriesLabelPosition::LowerRight)
                 .label_font(("sans-serif", 15))
                 .background_style(WHITE.mix(0.85))
                 .border_style(RGBColor(180, 180, 180))

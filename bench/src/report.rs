@@ -176,14 +176,25 @@ pub fn machine_header(quick: bool, scenarios: &[&str]) -> String {
         .ok()
         .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_else(|| "unknown".to_string());
-    let commit = std::process::Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".to_string());
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let commit = match (
+        git(&["rev-parse", "--short", "HEAD"]),
+        git(&["status", "--porcelain", "--untracked-files=no"]),
+    ) {
+        (Some(commit), Some(changes)) if !changes.is_empty() => {
+            format!("{commit} (with uncommitted changes)")
+        }
+        (Some(commit), _) => commit,
+        (None, _) => "unknown".to_string(),
+    };
     let mut out = String::new();
     let _ = writeln!(out, "# taskstream benchmark results\n");
     let _ = writeln!(out, "| | |\n|---|---|");

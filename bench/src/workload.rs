@@ -125,6 +125,9 @@ pub struct Run {
     pub rss_before: Option<u64>,
     /// The store kind the runtime reports for the pipeline (it may differ from the config's).
     pub store_kind: Option<StoreKind>,
+    /// Seconds from `start()` until `shutdown()` returned: caught up, then
+    /// drained and committed (what a persistent store's last commit costs).
+    pub until_shutdown: f64,
 }
 
 impl Run {
@@ -186,6 +189,7 @@ pub fn run_prefilled(
     let peak_rss = peak_rss(None);
     let store_kind = app.describe().pipelines.first().map(|p| p.store_kind);
     app.shutdown().context("shut the runtime down")?;
+    let until_shutdown = start.elapsed().as_secs_f64();
     Ok(Run {
         completed,
         seconds,
@@ -194,6 +198,7 @@ pub fn run_prefilled(
         peak_rss,
         rss_before,
         store_kind,
+        until_shutdown,
     })
 }
 

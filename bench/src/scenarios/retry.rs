@@ -267,7 +267,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
 
     let mut series: Vec<Series> = measured
         .iter()
-        .map(|(name, m)| Series::line(*name, m.progress.clone()))
+        .map(|(name, m)| Series::progress(*name, m.progress.clone()))
         .collect();
     let healthy = measured[1].1.healthy_total as f64;
     series.push(Series::reference(

@@ -74,7 +74,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
                 .into(),
             format!("{their_mode}: {their_seconds} s"),
         ]);
-        series.push(Series::line(order.as_str(), run.progress));
+        series.push(Series::progress(order.as_str(), run.progress));
     }
     report.tables.push(table);
     report.notes.push(
