@@ -177,13 +177,14 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
         format!(
             "Servers in their own processes, `count` on {PARTITIONS} partitions, N = 2, T = 1. \
              Produce: {} records ({VALUE_BYTES}-byte values, {} keys) in unary Produce calls of \
-             {BATCH} records over TCP on 127.0.0.1, from 1 caller or 4 concurrent callers; timed from \
+             {} records over TCP on 127.0.0.1, from 1 caller or 4 concurrent callers; timed from \
              the first request to the last answer. Restart: after the records are processed the \
              server stops gracefully (drain and commit) and a new process starts on the same \
              `data_dir`; timed from spawn until it reports every task running and caught up \
              (ready) and until a range query over the store counts every record (complete).",
             group(records),
-            group(KEYS)
+            group(KEYS),
+            group(BATCH as u64)
         ),
     );
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -231,7 +232,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
     }
 
     let mut table = Table::new(
-        format!("Produce over gRPC, batches of {BATCH}"),
+        format!("Produce over gRPC, batches of {}", group(BATCH as u64)),
         &[
             "log",
             "store",
