@@ -149,11 +149,13 @@ fn render(pixels: &mut [u8], chart: &Chart) -> anyhow::Result<()> {
                 .map_err(|e| anyhow!("{e}"))?;
             let mut color_index = 0;
             for series in &chart.series {
+                // Later lines are thinner, so a line drawn over an equal one still shows beneath.
                 let (color, width) = if series.reference {
                     (RGBColor(110, 110, 110), 2)
                 } else {
                     color_index += 1;
-                    (PALETTE[(color_index - 1) % PALETTE.len()], 3)
+                    let width = if color_index == 1 { 6 } else { 3 };
+                    (PALETTE[(color_index - 1) % PALETTE.len()], width)
                 };
                 let style = ShapeStyle {
                     color: color.to_rgba(),
