@@ -519,3 +519,66 @@ fn blocking_policy_makes_the_partition_wait_for_the_failing_record() {
     assert_eq!(seen.len(), 50);
     assert_eq!(*seen.last().unwrap(), 10, "non-blocking: offset 10 finished last");
 }
+
+#[test]
+fn a_retry_finished_out_of_order_is_not_applied_again_after_a_restart() {
+    // `slow` (retry offset 0) fails three attempts, `fast` (retry offset 1) one:
+    // `fast` is final while `slow` still waits, above the retry watermark. The
+    // persistent store's checkpoint must say so, or a restart would count it twice.
+    let dir = std::env::temp_dir().join(format!("taskstream-retry-restart-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let processor = || -> Arc<dyn Processor> {
+        Arc::new(|record: &Record, ctx: &ProcessorContext<'_>| {
+            let key = record.key.clone().unwrap_or_default();
+            let failures = if key == "slow" { 3 } else { 1 };
+            if ctx.attempt <= failures {
+                return Err(ProcessError::new("Flaky", format!("attempt {}", ctx.attempt)));
+            }
+            ctx.store.update(&key, &mut |old| {
+                let n: u64 = old.map_or(0, |v| std::str::from_utf8(v).unwrap().parse().unwrap());
+                Some(Bytes::from((n + 1).to_string()))
+            });
+            Ok(())
+        })
+    };
+    let mut cfg = config(2, 1, ProcessingOrder::Offset, 1, "flaky");
+    cfg.data_dir = Some(dir.clone());
+    cfg.retry_max_attempts = 10;
+    cfg.retry_backoff_ms = 100;
+    cfg.retry_backoff_max_ms = 1_000;
+    let app = StreamsApp::builder(cfg.clone())
+        .processor("flaky", processor())
+        .start()
+        .unwrap();
+    app.produce(
+        "in",
+        vec![
+            ProducerRecord::keyed("slow", "1"),
+            ProducerRecord::keyed("fast", "2"),
+        ],
+    )
+    .unwrap();
+    let deadline = std::time::Instant::now() + WAIT;
+    while app.describe().tasks[0].records_processed < 1 {
+        assert!(std::time::Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(app.describe().pipelines[0].retry_backlog, 1, "slow still waits");
+    app.shutdown().unwrap();
+    drop(app);
+
+    let app = StreamsApp::builder(cfg)
+        .processor("flaky", processor())
+        .start()
+        .unwrap();
+    assert!(app.wait_until_caught_up(WAIT));
+    assert_eq!(
+        app.get("p", b"fast").unwrap().unwrap(),
+        "1",
+        "applied once across the restart"
+    );
+    assert_eq!(app.get("p", b"slow").unwrap().unwrap(), "1");
+    app.shutdown().unwrap();
+    drop(app);
+    let _ = std::fs::remove_dir_all(&dir);
+}

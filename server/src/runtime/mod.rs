@@ -48,6 +48,8 @@ pub(crate) struct CommitItem {
     offset: u64,
     /// The retry-topic watermark committed with it.
     retry_offset: u64,
+    /// Final retry offsets above `retry_offset` (persistent stores only).
+    retry_done: Vec<u64>,
     /// Committed with the store's data (persistent) or to the log (memory).
     persistent: bool,
 }
@@ -160,6 +162,8 @@ impl Sched {
                 partition: t.partition,
                 offset: t.seq.watermark(),
                 retry_offset: t.retry.seq.watermark(),
+                // A memory store is rebuilt without them and they run again: once in all.
+                retry_done: Vec::new(),
                 persistent: false,
             })
             .collect()
@@ -581,16 +585,18 @@ impl AppBuilder {
                 let retry_end = log.end_offset(&retry_topic, partition)?;
                 // Where to resume: a persistent store's own checkpoint (committed
                 // with its data); else the log's committed offsets.
-                let (committed, retry_committed) = match store.persistent() {
+                let (committed, retry_committed, retry_done) = match store.persistent() {
                     Some(_) => match store.checkpoint() {
-                        Some(c) => (Some(c.watermark), Some(c.retry_offset)),
-                        None => (None, None),
+                        Some(c) => (Some(c.watermark), Some(c.retry_offset), c.retry_done),
+                        None => (None, None, Vec::new()),
                     },
                     None => (
                         log.committed(group, &pipeline.source_topic, partition)?,
                         log.committed(group, &retry_topic, partition)?,
+                        Vec::new(),
                     ),
                 };
+                let retry_done_set: HashSet<u64> = retry_done.iter().copied().collect();
                 let start = committed.unwrap_or(earliest).max(earliest);
                 let retry_start = retry_committed.unwrap_or(retry_earliest).max(retry_earliest);
                 let keyed = effective.order == ProcessingOrder::Key;
@@ -606,7 +612,7 @@ impl AppBuilder {
                     config.max_batch_records,
                     config.max_in_flight_records,
                     config.outcome_retention_records,
-                    retry::RetryQueue::new(retry_start, keyed, config.max_in_flight_records),
+                    retry::RetryQueue::new(retry_start, keyed, config.max_in_flight_records, retry_done),
                 );
                 task.persistent = store.persistent().is_some();
                 task.retry.committed = retry_committed.unwrap_or(retry_start);
@@ -619,7 +625,10 @@ impl AppBuilder {
                     log.read(&retry_topic, partition, from, 10_000, &mut records)?;
                     let Some(last) = records.last() else { break };
                     from = last.offset + 1;
-                    for record in records {
+                    for record in records
+                        .into_iter()
+                        .filter(|r| !retry_done_set.contains(&r.offset))
+                    {
                         let item = retry::decode(record, |_, _| Duration::ZERO);
                         if keyed && let Some(key) = &item.record.key {
                             task.parked.add(key, false);
@@ -1154,8 +1163,9 @@ impl StreamsApp {
     }
 
     /// Blocks until every store is restored, every task's watermark reaches its
-    /// partition's end offset and every retry has its final outcome, or
-    /// `timeout` passes; returns whether it did. For tests and tools.
+    /// partition's end offset, every retry has its final outcome and every
+    /// persistent store has committed it (so queries see it), or `timeout`
+    /// passes; returns whether it did. For tests and tools.
     pub fn wait_until_caught_up(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         loop {
@@ -1167,6 +1177,8 @@ impl StreamsApp {
                     t.restore.is_none()
                         && shared.log.end_offset(topic, t.partition).unwrap_or(0) <= t.seq.watermark()
                         && shared.retry_backlog(t) == 0
+                        // Queries read a persistent store's last commit: wait for it too.
+                        && !(t.persistent && t.has_uncommitted())
                 })
             };
             if caught_up {

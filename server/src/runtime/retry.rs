@@ -219,10 +219,15 @@ pub(crate) struct RetryQueue {
     pub(crate) fetched_gen: u64,
     /// The retry offset last committed.
     pub(crate) committed: u64,
+    /// How many final offsets above `committed` the last commit recorded.
+    pub(crate) committed_done: usize,
     /// Offsets of the source records not yet final (for bounded streams).
     pending_sources: BTreeMap<u64, u32>,
     /// Records loaded at most at once; more are read as these finish.
     window: usize,
+    /// Offsets final before a restart (from the store's checkpoint): their
+    /// effects are in the store, so they complete on load without running.
+    done_before: HashSet<u64>,
 }
 
 /// At most this many retry items go to one thread at once: small, because
@@ -230,7 +235,7 @@ pub(crate) struct RetryQueue {
 const RETRY_UNIT_MAX: usize = 16;
 
 impl RetryQueue {
-    pub(crate) fn new(start: u64, keyed: bool, window: usize) -> RetryQueue {
+    pub(crate) fn new(start: u64, keyed: bool, window: usize, done_before: Vec<u64>) -> RetryQueue {
         RetryQueue {
             seq: Sequencer::new(start),
             waiting: BTreeMap::new(),
@@ -241,14 +246,29 @@ impl RetryQueue {
             append_gen: 1,
             fetched_gen: 0,
             committed: start,
+            committed_done: 0,
             pending_sources: BTreeMap::new(),
             window,
+            done_before: done_before.into_iter().collect(),
         }
+    }
+
+    /// Whether the position or the final offsets above it moved since the last commit.
+    pub(crate) fn has_uncommitted(&self) -> bool {
+        self.seq.watermark() != self.committed || self.seq.completed_above().len() != self.committed_done
+    }
+
+    /// Final offsets above the watermark, to commit with it.
+    pub(crate) fn done_above_watermark(&self) -> Vec<u64> {
+        self.seq.completed_above()
     }
 
     /// Records in the retry topic without a final outcome (loaded or not).
     pub(crate) fn backlog(&self, retry_end: u64) -> u64 {
-        retry_end.saturating_sub(self.seq.watermark())
+        let final_above = self.seq.completed_above().len() as u64;
+        retry_end
+            .saturating_sub(self.seq.watermark())
+            .saturating_sub(final_above)
     }
 
     pub(crate) fn can_fetch(&self) -> bool {
@@ -263,6 +283,11 @@ impl RetryQueue {
     pub(crate) fn add_fetched(&mut self, items: Vec<RetryItem>) {
         self.seq.fetched(items.len());
         for item in items {
+            if self.done_before.remove(&item.retry_offset) {
+                let mut released = Vec::new();
+                self.seq.complete_offsets([item.retry_offset], (), &mut released);
+                continue;
+            }
             *self.pending_sources.entry(item.record.offset).or_default() += 1;
             self.waiting.insert(item.retry_offset, item);
         }
@@ -426,7 +451,7 @@ mod tests {
 
     #[test]
     fn key_order_runs_only_the_earliest_item_of_a_key() {
-        let mut queue = RetryQueue::new(0, true, 100);
+        let mut queue = RetryQueue::new(0, true, 100, vec![]);
         queue.add_fetched(vec![item("a", 0, 50), item("a", 1, 0), item("b", 2, 0)]);
         // `a`@1 is due but waits behind `a`@0, which is not due yet.
         let taken = queue.take_due(10);
@@ -442,7 +467,7 @@ mod tests {
 
     #[test]
     fn unordered_items_run_when_due_and_the_watermark_is_the_final_prefix() {
-        let mut queue = RetryQueue::new(10, false, 100);
+        let mut queue = RetryQueue::new(10, false, 100, vec![]);
         queue.add_fetched(vec![item("a", 10, 0), item("a", 11, 0)]);
         let taken = queue.take_due(0);
         assert_eq!(taken.len(), 2);
@@ -451,12 +476,25 @@ mod tests {
         again.due_ms = 99;
         queue.complete(&[(11, 111, None)], vec![again]);
         assert_eq!(queue.seq.watermark(), 10);
-        assert_eq!(queue.backlog(12), 2);
+        assert_eq!(queue.backlog(12), 1, "11 is final, 10 is not");
         let taken = queue.take_due(100);
         queue.complete(&[(taken[0].retry_offset, 110, None)], vec![]);
         assert_eq!(queue.seq.watermark(), 12);
         assert_eq!(queue.lowest_pending_source(), None);
         assert_eq!(queue.in_progress, 0);
+    }
+
+    #[test]
+    fn offsets_final_before_a_restart_complete_on_load_without_running() {
+        let mut queue = RetryQueue::new(5, false, 100, vec![6]);
+        queue.add_fetched(vec![item("a", 5, 0), item("b", 6, 0), item("c", 7, 0)]);
+        let taken: Vec<u64> = queue.take_due(0).iter().map(|i| i.retry_offset).collect();
+        assert_eq!(taken, vec![5, 7], "6 was final before the restart");
+        queue.complete(&[(7, 107, None)], vec![]);
+        assert_eq!(queue.done_above_watermark(), vec![6, 7]);
+        queue.complete(&[(5, 105, None)], vec![]);
+        assert_eq!(queue.seq.watermark(), 8);
+        assert!(queue.done_above_watermark().is_empty());
     }
 
     #[test]

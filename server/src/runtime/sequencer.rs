@@ -40,6 +40,16 @@ impl<B> Sequencer<B> {
         self.done.len()
     }
 
+    /// Completed offsets above the watermark (completion out of order).
+    pub(crate) fn completed_above(&self) -> Vec<u64> {
+        self.done
+            .iter()
+            .enumerate()
+            .filter(|(_, done)| **done)
+            .map(|(i, _)| self.watermark + i as u64)
+            .collect()
+    }
+
     /// Records `count` more offsets as fetched (from `fetched_end()` on).
     pub(crate) fn fetched(&mut self, count: usize) {
         self.done.extend(std::iter::repeat_n(false, count));

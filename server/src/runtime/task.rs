@@ -306,7 +306,12 @@ impl Task {
 
     /// Whether a watermark moved since the last commit.
     pub(crate) fn has_uncommitted(&self) -> bool {
-        self.seq.watermark() != self.committed || self.retry.seq.watermark() != self.retry.committed
+        self.seq.watermark() != self.committed
+            || if self.persistent {
+                self.retry.has_uncommitted()
+            } else {
+                self.retry.seq.watermark() != self.retry.committed
+            }
     }
 
     pub(crate) fn history_push(&mut self, batch: Arc<OutcomeBatch>) {

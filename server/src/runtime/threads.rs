@@ -982,6 +982,7 @@ impl Shared {
             partition: task.partition,
             offset: task.seq.watermark(),
             retry_offset: task.retry.seq.watermark(),
+            retry_done: task.retry.done_above_watermark(),
             persistent: true,
         })
     }
@@ -1015,6 +1016,7 @@ impl Shared {
                         .finish_commit(Checkpoint {
                             watermark: item.offset,
                             retry_offset: item.retry_offset,
+                            retry_done: item.retry_done.clone(),
                         })
                         .map_err(|e| e.to_string()),
                     None => Err("the store is not persistent".to_string()),
@@ -1051,7 +1053,10 @@ impl Shared {
                 let mut s = self.lock();
                 let task = &mut s.tasks[item.task];
                 task.committed = task.committed.max(item.offset);
-                task.retry.committed = task.retry.committed.max(item.retry_offset);
+                if item.retry_offset >= task.retry.committed {
+                    task.retry.committed = item.retry_offset;
+                    task.retry.committed_done = item.retry_done.len();
+                }
             } else if let Err(e) = &result {
                 tracing::error!(task = %item.task_id, offset = item.offset, error = %e, "commit failed");
             }

@@ -16,12 +16,15 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// Positions committed atomically with the store's data.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Checkpoint {
     /// Next source offset to process.
     pub watermark: u64,
     /// Next retry-topic offset to process.
     pub retry_offset: u64,
+    /// Retry-topic offsets at or above `retry_offset` already final: their
+    /// effects are in the data, so a restart must not apply them again.
+    pub retry_done: Vec<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -65,6 +68,9 @@ const DATA: TableDefinition<&[u8], &[u8]> = TableDefinition::new("data");
 /// One row, `checkpoint` → (watermark, retry_offset); absent until the first commit.
 const META: TableDefinition<&str, (u64, u64)> = TableDefinition::new("meta");
 const CHECKPOINT_KEY: &str = "checkpoint";
+/// One row, `retry_done` → the checkpoint's `retry_done` as little-endian u64s.
+const RETRY_DONE: TableDefinition<&str, &[u8]> = TableDefinition::new("retry_done");
+const RETRY_DONE_KEY: &str = "retry_done";
 
 const SHARDS: usize = 16;
 /// redb's default page cache is 1 GiB per database, and a server holds one store per task. Hot
@@ -98,11 +104,27 @@ impl Committed {
         let txn = db.begin_read()?;
         let data = txn.open_table(DATA)?;
         let meta = txn.open_table(META)?;
+        let retry_done = match txn.open_table(RETRY_DONE) {
+            Ok(table) => table
+                .get(RETRY_DONE_KEY)?
+                .map(|guard| {
+                    guard
+                        .value()
+                        .chunks_exact(8)
+                        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                        .collect()
+                })
+                .unwrap_or_default(),
+            // Written by the first commit that had any; older files have none.
+            Err(redb::TableError::TableDoesNotExist(_)) => Vec::new(),
+            Err(e) => return Err(e.into()),
+        };
         let checkpoint = meta.get(CHECKPOINT_KEY)?.map(|guard| {
             let (watermark, retry_offset) = guard.value();
             Checkpoint {
                 watermark,
                 retry_offset,
+                retry_done,
             }
         });
         Ok(Committed { data, checkpoint })
@@ -238,7 +260,7 @@ impl PersistentStore {
 
     /// The checkpoint of the last commit, None if never committed.
     pub fn checkpoint(&self) -> Option<Checkpoint> {
-        read(&self.committed).checkpoint
+        read(&self.committed).checkpoint.clone()
     }
 
     /// Freezes every write made so far as the next commit. Returns false (and freezes nothing)
@@ -291,6 +313,13 @@ impl PersistentStore {
                 }
                 let mut meta = txn.open_table(META)?;
                 meta.insert(CHECKPOINT_KEY, (checkpoint.watermark, checkpoint.retry_offset))?;
+                let done: Vec<u8> = checkpoint
+                    .retry_done
+                    .iter()
+                    .flat_map(|o| o.to_le_bytes())
+                    .collect();
+                txn.open_table(RETRY_DONE)?
+                    .insert(RETRY_DONE_KEY, done.as_slice())?;
             }
             txn.commit()?;
             Committed::load(&self.db)
@@ -442,7 +471,7 @@ pub struct StoreSnapshot {
 
 impl StoreSnapshot {
     pub fn checkpoint(&self) -> Option<Checkpoint> {
-        self.committed.checkpoint
+        self.committed.checkpoint.clone()
     }
 
     pub fn get(&self, key: &[u8]) -> Result<Option<Bytes>, StoreError> {
@@ -525,6 +554,7 @@ mod tests {
             .finish_commit(Checkpoint {
                 watermark,
                 retry_offset: watermark / 2,
+                ..Checkpoint::default()
             })
             .unwrap();
     }
@@ -574,10 +604,11 @@ mod tests {
         let checkpoint = Checkpoint {
             watermark: 10,
             retry_offset: 5,
+            ..Checkpoint::default()
         };
-        assert_eq!(store.checkpoint(), Some(checkpoint));
+        assert_eq!(store.checkpoint(), Some(checkpoint.clone()));
         let snapshot = store.snapshot().unwrap();
-        assert_eq!(snapshot.checkpoint(), Some(checkpoint));
+        assert_eq!(snapshot.checkpoint(), Some(checkpoint.clone()));
         assert_eq!(snapshot.get(b"a").unwrap(), Some(b("1")));
         assert_eq!(
             snapshot.range(None, None, 0).unwrap(),
@@ -590,7 +621,7 @@ mod tests {
         drop((before, snapshot, store));
 
         let store = PersistentStore::open(&dir.file()).unwrap();
-        assert_eq!(store.checkpoint(), Some(checkpoint));
+        assert_eq!(store.checkpoint(), Some(checkpoint.clone()));
         assert_eq!(store.get(b"b"), Some(b("2")));
         assert_eq!(store.len(), 2);
     }
@@ -613,8 +644,9 @@ mod tests {
         let checkpoint = Checkpoint {
             watermark: 7,
             retry_offset: 3,
+            ..Checkpoint::default()
         };
-        store.finish_commit(checkpoint).unwrap();
+        store.finish_commit(checkpoint.clone()).unwrap();
         // The later writes are still visible to the store itself...
         assert_eq!(store.get(b"k"), Some(b("dirty2")));
         assert_eq!(store.get(b"gone"), None);
@@ -626,7 +658,7 @@ mod tests {
         drop((snapshot, store));
 
         let store = PersistentStore::open(&dir.file()).unwrap();
-        assert_eq!(store.checkpoint(), Some(checkpoint));
+        assert_eq!(store.checkpoint(), Some(checkpoint.clone()));
         assert_eq!(
             store.range(None, None, 0),
             vec![(b("gone"), b("x")), (b("k"), b("frozen"))]
@@ -739,6 +771,7 @@ mod tests {
             .finish_commit(Checkpoint {
                 watermark: 2,
                 retry_offset: 0,
+                ..Checkpoint::default()
             })
             .unwrap();
         assert_eq!(store.range(None, None, 0), expected);
@@ -770,6 +803,7 @@ mod tests {
             .finish_commit(Checkpoint {
                 watermark: 1,
                 retry_offset: 0,
+                ..Checkpoint::default()
             })
             .unwrap();
         assert_eq!(store.snapshot().unwrap().get(b"b").unwrap(), Some(b("2")));
@@ -783,14 +817,15 @@ mod tests {
         let checkpoint = Checkpoint {
             watermark: 42,
             retry_offset: 9,
+            ..Checkpoint::default()
         };
-        store.finish_commit(checkpoint).unwrap();
-        assert_eq!(store.checkpoint(), Some(checkpoint));
+        store.finish_commit(checkpoint.clone()).unwrap();
+        assert_eq!(store.checkpoint(), Some(checkpoint.clone()));
         assert_eq!(store.snapshot().unwrap().get(b"a").unwrap(), None);
         assert_eq!(store.get(b"a"), Some(b("1")));
         drop(store);
         let store = PersistentStore::open(&dir.file()).unwrap();
-        assert_eq!(store.checkpoint(), Some(checkpoint));
+        assert_eq!(store.checkpoint(), Some(checkpoint.clone()));
         assert_eq!(store.get(b"a"), None);
     }
 
@@ -813,6 +848,7 @@ mod tests {
                     .finish_commit(Checkpoint {
                         watermark: 2,
                         retry_offset: 0,
+                        ..Checkpoint::default()
                     })
                     .unwrap()
             })
@@ -900,6 +936,7 @@ mod tests {
                             .finish_commit(Checkpoint {
                                 watermark: n,
                                 retry_offset: 0,
+                                ..Checkpoint::default()
                             })
                             .unwrap();
                         let us = start.elapsed().as_micros() as u64;
