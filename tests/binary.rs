@@ -5,12 +5,11 @@
 
 mod common;
 
-use common::{Output, run};
+use common::{Output, run, server_binary};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::OnceLock;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use taskstream_client::{StreamsClient, keyed_record, v1};
@@ -19,60 +18,6 @@ use tonic_health::pb::health_client::HealthClient;
 
 /// Bound on anything the server is expected to do promptly (start, answer, exit).
 const DEADLINE: Duration = Duration::from_secs(30);
-
-/// The binary of this checkout, built next to the test executable: the root
-/// package's tests do not build other packages' binaries, and a binary left
-/// from an earlier build may be stale, so cargo is asked (a no-op when fresh).
-fn server_binary() -> &'static Path {
-    static BINARY: OnceLock<PathBuf> = OnceLock::new();
-    BINARY.get_or_init(|| {
-        // <target>/<profile>/deps/binary-HASH
-        let exe = std::env::current_exe().expect("the test executable's path");
-        let profile_dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("the test executable lives in <target>/<profile>/deps");
-        let target_dir = profile_dir.parent().expect("the target directory");
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let mut build = Command::new(cargo);
-        build
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .args([
-                "build",
-                "--quiet",
-                "-p",
-                "taskstream-server",
-                "--bin",
-                "taskstream-server",
-            ])
-            .arg("--target-dir")
-            .arg(target_dir);
-        match profile_dir.file_name().and_then(|name| name.to_str()) {
-            Some("debug") => {}
-            Some("release") => {
-                build.arg("--release");
-            }
-            Some(profile) => {
-                build.args(["--profile", profile]);
-            }
-            None => {}
-        }
-        let output = run(
-            build,
-            "cargo build -p taskstream-server",
-            Duration::from_secs(1800),
-            None,
-        );
-        assert!(
-            output.status.success(),
-            "building the server failed:\n{}",
-            output.describe()
-        );
-        let binary = profile_dir.join(format!("taskstream-server{}", std::env::consts::EXE_SUFFIX));
-        assert!(binary.is_file(), "no server binary at {}", binary.display());
-        binary
-    })
-}
 
 /// The binary with a clean environment: no inherited `TASKSTREAM_*` setting
 /// may leak into what a test asserts.

@@ -7,13 +7,13 @@
 mod common;
 
 use bytes::Bytes;
-use common::run;
+use common::server_binary;
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use taskstream_client::{ClientError, StreamsClient, keyed_record, v1};
 use taskstream_server::log::partition_for_key;
@@ -89,57 +89,6 @@ impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
-}
-
-/// The binary of this checkout, built next to the test executable (a no-op when fresh).
-fn server_binary() -> &'static Path {
-    static BINARY: OnceLock<PathBuf> = OnceLock::new();
-    BINARY.get_or_init(|| {
-        // <target>/<profile>/deps/crash-HASH
-        let exe = std::env::current_exe().expect("the test executable's path");
-        let profile_dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("the test executable lives in <target>/<profile>/deps");
-        let target_dir = profile_dir.parent().expect("the target directory");
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let mut build = Command::new(cargo);
-        build
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .args([
-                "build",
-                "--quiet",
-                "-p",
-                "taskstream-server",
-                "--bin",
-                "taskstream-server",
-            ])
-            .arg("--target-dir")
-            .arg(target_dir);
-        match profile_dir.file_name().and_then(|name| name.to_str()) {
-            Some("debug") | None => {}
-            Some("release") => {
-                build.arg("--release");
-            }
-            Some(profile) => {
-                build.args(["--profile", profile]);
-            }
-        }
-        let output = run(
-            build,
-            "cargo build -p taskstream-server",
-            Duration::from_secs(1800),
-            None,
-        );
-        assert!(
-            output.status.success(),
-            "building the server failed:\n{}",
-            output.describe()
-        );
-        let binary = profile_dir.join(format!("taskstream-server{}", std::env::consts::EXE_SUFFIX));
-        assert!(binary.is_file(), "no server binary at {}", binary.display());
-        binary
-    })
 }
 
 /// The server process on port 0 with the crash config and data dir.
