@@ -774,19 +774,19 @@ struct RetryDone {
 /// Attempts retry items, outside any lock: success is final; a failure waits
 /// for its next attempt with backoff, or after the last one is dead-lettered.
 fn process_retries(shared: &Shared, context: &UnitContext, items: Vec<RetryItem>) -> RetryDone {
+    /// Where an item stands after its attempt.
+    enum Next {
+        Processed,
+        Again,
+        DeadLetter,
+    }
     let pipeline = &shared.pipelines[context.pipeline];
     let max_attempts = shared.config.retry_max_attempts;
-    let mut finished = Vec::new();
-    let mut again = Vec::new();
-    let mut outcomes = Vec::with_capacity(items.len());
-    let mut dead: Vec<(RetryItem, ProducerRecord, usize)> = Vec::new();
+    let mut attempted = Vec::with_capacity(items.len());
     for mut item in items {
         let number = item.failure.attempts + 1;
-        match attempt(shared, context, &item.record, number) {
-            Ok(()) => {
-                outcomes.push(outcome(&item.record, Outcome::Processed, number, None));
-                finished.push((item.retry_offset, item.record.offset, item.record.key.clone()));
-            }
+        let next = match attempt(shared, context, &item.record, number) {
+            Ok(()) => Next::Processed,
             Err((kind, message)) => {
                 let now = now_ms();
                 item.failure.attempts = number;
@@ -797,60 +797,63 @@ fn process_retries(shared: &Shared, context: &UnitContext, items: Vec<RetryItem>
                     item.failure.first_failure_ms = now;
                 }
                 if number >= max_attempts {
-                    let produced = retry::failed_record(&pipeline.topic, &item.record, &item.failure);
-                    dead.push((item, produced, outcomes.len()));
-                    outcomes.push(RecordOutcome {
-                        offset: 0,
-                        key: None,
-                        timestamp_ms: 0,
-                        outcome: Outcome::DeadLettered,
-                        attempts: number,
-                        error: None,
-                    });
+                    Next::DeadLetter
                 } else {
                     item.due_ms = now + shared.backoff(number, item.retry_offset).as_millis() as i64;
-                    outcomes.push(outcome(
-                        &item.record,
-                        Outcome::Retrying,
-                        number,
-                        Some(&item.failure),
-                    ));
-                    again.push(item);
+                    Next::Again
                 }
             }
-        }
+        };
+        attempted.push((item, next));
     }
-    let produced: Vec<ProducerRecord> = dead.iter().map(|(_, p, _)| p.clone()).collect();
-    let appended = append_failed(shared, &pipeline.dead_letter_topic, produced).is_ok();
-    for (mut item, _, index) in dead {
-        if appended {
-            outcomes[index] = outcome(
-                &item.record,
-                Outcome::DeadLettered,
-                item.failure.attempts,
-                Some(&item.failure),
-            );
-            finished.push((item.retry_offset, item.record.offset, item.record.key.clone()));
-        } else {
-            // The dead-letter topic refused it: keep it on the retry path.
-            outcomes[index] = outcome(
-                &item.record,
-                Outcome::Retrying,
-                item.failure.attempts,
-                Some(&item.failure),
-            );
-            item.due_ms = now_ms()
-                + shared
-                    .backoff(item.failure.attempts, item.retry_offset)
-                    .as_millis() as i64;
-            again.push(item);
-        }
-    }
-    if context.keyed {
-        for (_, _, key) in &finished {
-            if let Some(key) = key {
+    let dead: Vec<ProducerRecord> = attempted
+        .iter()
+        .filter(|(_, next)| matches!(next, Next::DeadLetter))
+        .map(|(item, _)| retry::failed_record(&pipeline.topic, &item.record, &item.failure))
+        .collect();
+    // Refused by the dead-letter topic: the record stays on the retry path.
+    let dead_lettered = append_failed(shared, &pipeline.dead_letter_topic, dead).is_ok();
+    let mut finished = Vec::new();
+    let mut again = Vec::new();
+    let mut outcomes = Vec::with_capacity(attempted.len());
+    for (mut item, next) in attempted {
+        let attempts = item.failure.attempts;
+        let final_outcome = match next {
+            Next::Processed => {
+                outcomes.push(outcome(&item.record, Outcome::Processed, attempts + 1, None));
+                true
+            }
+            Next::DeadLetter if dead_lettered => {
+                outcomes.push(outcome(
+                    &item.record,
+                    Outcome::DeadLettered,
+                    attempts,
+                    Some(&item.failure),
+                ));
+                true
+            }
+            Next::DeadLetter | Next::Again => {
+                if matches!(next, Next::DeadLetter) {
+                    item.due_ms = now_ms() + shared.backoff(attempts, item.retry_offset).as_millis() as i64;
+                }
+                outcomes.push(outcome(
+                    &item.record,
+                    Outcome::Retrying,
+                    attempts,
+                    Some(&item.failure),
+                ));
+                false
+            }
+        };
+        if final_outcome {
+            if context.keyed
+                && let Some(key) = &item.record.key
+            {
                 context.parked.remove(key);
             }
+            finished.push((item.retry_offset, item.record.offset, item.record.key.clone()));
+        } else {
+            again.push(item);
         }
     }
     RetryDone {
