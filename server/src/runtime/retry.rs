@@ -225,6 +225,8 @@ pub(crate) struct RetryQueue {
     pending_sources: BTreeMap<u64, u32>,
     /// Records loaded at most at once; more are read as these finish.
     window: usize,
+    /// No waiting item can be due before this (0 = unknown; see `take_due`).
+    not_before_ms: i64,
     /// Offsets final before a restart (from the store's checkpoint): their
     /// effects are in the store, so they complete on load without running.
     done_before: HashSet<u64>,
@@ -250,6 +252,7 @@ impl RetryQueue {
             pending_sources: BTreeMap::new(),
             window,
             done_before: done_before.into_iter().collect(),
+            not_before_ms: 0,
         }
     }
 
@@ -281,6 +284,7 @@ impl RetryQueue {
 
     /// Adds records read from the retry topic, consecutive from `seq.fetched_end()`.
     pub(crate) fn add_fetched(&mut self, items: Vec<RetryItem>) {
+        self.not_before_ms = 0;
         self.seq.fetched(items.len());
         for item in items {
             if self.done_before.remove(&item.retry_offset) {
@@ -300,6 +304,12 @@ impl RetryQueue {
 
     /// The earliest due time among waiting items that could start (ignoring time).
     pub(crate) fn next_due_ms(&self) -> Option<i64> {
+        if self.waiting.is_empty() {
+            return None;
+        }
+        if self.not_before_ms > 0 {
+            return Some(self.not_before_ms).filter(|&t| t < i64::MAX);
+        }
         let mut seen_keys: HashSet<&Bytes> = HashSet::new();
         let mut next: Option<i64> = None;
         for item in self.waiting.values().take(1024) {
@@ -316,8 +326,14 @@ impl RetryQueue {
     /// Takes up to a unit's worth of items due at `now_ms`. In `key` order only
     /// the earliest item of a key may run, and never two of one key at once.
     pub(crate) fn take_due(&mut self, now_ms: i64) -> Vec<RetryItem> {
+        // Called under the scheduler lock on every pick: skip the scan while
+        // nothing can be due (the cache is dropped whenever the queue changes).
+        if self.waiting.is_empty() || now_ms < self.not_before_ms {
+            return Vec::new();
+        }
         let mut taken = Vec::new();
         let mut seen_keys: HashSet<Bytes> = HashSet::new();
+        let mut next_due = i64::MAX;
         for (&offset, item) in self.waiting.iter().take(1024) {
             if self.keyed
                 && let Some(key) = &item.record.key
@@ -330,7 +346,12 @@ impl RetryQueue {
                 if taken.len() == RETRY_UNIT_MAX {
                     break;
                 }
+            } else {
+                next_due = next_due.min(item.due_ms);
             }
+        }
+        if taken.is_empty() {
+            self.not_before_ms = next_due;
         }
         let items: Vec<RetryItem> = taken
             .into_iter()
@@ -350,6 +371,7 @@ impl RetryQueue {
     /// Items back from a thread: `finished` reached a final outcome, `again`
     /// failed once more and wait for their next attempt.
     pub(crate) fn complete(&mut self, finished: &[(u64, u64, Option<Bytes>)], again: Vec<RetryItem>) {
+        self.not_before_ms = 0;
         self.in_progress -= finished.len() + again.len();
         for (retry_offset, source_offset, key) in finished {
             if let Some(key) = key {
