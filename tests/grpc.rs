@@ -10,7 +10,10 @@ use taskstream_client::{
     ClientError, End, MetadataBatch, MetadataOptions, Start, StreamsClient, keyed_record,
 };
 use taskstream_server::config::LatencySpec;
-use taskstream_server::{Config, PipelineConfig, ProcessingOrder, ProcessorSpec, StreamsApp, TopicConfig};
+use taskstream_server::{
+    Config, Log, MemoryLog, PipelineConfig, ProcessingOrder, ProcessorSpec, ProducerRecord, Retention,
+    StreamsApp, TopicConfig,
+};
 use tokio::sync::oneshot;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -71,11 +74,20 @@ struct Server {
 }
 
 impl Server {
-    async fn start(mut config: Config) -> Server {
+    async fn start(config: Config) -> Server {
+        Server::start_on(config, None).await
+    }
+
+    /// On `log` (with what a test put there before), or a new embedded log.
+    async fn start_on(mut config: Config, log: Option<Arc<dyn Log>>) -> Server {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         config.application_server = addr.to_string();
-        let app = StreamsApp::start(config).unwrap();
+        let mut builder = StreamsApp::builder(config);
+        if let Some(log) = log {
+            builder = builder.log(log);
+        }
+        let app = builder.start().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(taskstream_server::service::serve(app.clone(), listener, async {
             let _ = stopped.await;
@@ -512,5 +524,148 @@ async fn retry_outcomes_reach_the_record_callback_and_bounded_streams_wait_for_f
             .values()
             .all(|h| h.last().map(|(o, _)| *o) == Some(v1::RecordOutcome::Processed))
     );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_topic_shows_dead_lettered_records_with_their_error_headers() {
+    let config = Config {
+        application_id: "dlq".into(),
+        num_stream_threads: 2,
+        num_threads_per_task: 1,
+        retry_max_attempts: 2,
+        retry_backoff_ms: 1,
+        retry_backoff_max_ms: 2,
+        topics: vec![TopicConfig::new("events", 2)],
+        pipelines: vec![pipeline(
+            "doomed",
+            // Every record fails every attempt: all of them end in the dead-letter topic.
+            ProcessorSpec::Simulate {
+                latency_ms: None,
+                cpu_work_us: 0,
+                failure_rate: 1.0,
+                fail_attempts: 0,
+                seed: 1,
+            },
+            None,
+            None,
+        )],
+        ..Config::default()
+    };
+    let server = Server::start(config).await;
+    let client = &server.client;
+    let records: Vec<v1::ProducerRecord> = (0..6)
+        .map(|i| v1::ProducerRecord {
+            headers: HashMap::from([("origin".to_string(), "test".into())]),
+            ..keyed_record(format!("k{}", i % 3), format!("v{i}"))
+        })
+        .collect();
+    let produced = client.produce("events", records.clone()).await.unwrap();
+    server.caught_up().await;
+
+    // Source (partition, offset) → (key, value), from the positions Produce answered.
+    let mut expected: BTreeMap<(u32, i64), (Option<bytes::Bytes>, bytes::Bytes)> = produced
+        .positions
+        .iter()
+        .zip(&records)
+        .map(|(p, r)| ((p.partition, p.offset), (r.key.clone(), r.value.clone())))
+        .collect();
+    assert_eq!(expected.len(), 6);
+    let dlq = "dlq-doomed-dlq";
+    let mut seen = 0;
+    for partition in 0..2 {
+        let read = client.read_topic(dlq, partition, 0, 0).await.unwrap();
+        assert_eq!((read.topic.as_str(), read.partition), (dlq, partition));
+        assert_eq!(read.start_offset, 0);
+        assert_eq!(read.end_offset, read.records.len() as i64, "{read:?}");
+        for (i, record) in read.records.iter().enumerate() {
+            assert_eq!((record.partition, record.offset), (partition, i as i64));
+            let header = |name: &str| -> String {
+                let values: Vec<_> = record.headers.iter().filter(|h| h.name == name).collect();
+                assert_eq!(values.len(), 1, "one `{name}` header: {record:?}");
+                String::from_utf8_lossy(&values[0].value).into_owned()
+            };
+            assert_eq!(header("__streams.errors.exception"), "SimulatedFailure");
+            assert_eq!(header("__streams.errors.topic"), "events");
+            assert_eq!(header("__streams.errors.partition"), partition.to_string());
+            assert_eq!(header("taskstream.errors.attempts"), "2");
+            assert_eq!(header("origin"), "test", "the producer's headers stay");
+            let source_offset: i64 = header("__streams.errors.offset").parse().unwrap();
+            let (key, value) = expected
+                .remove(&(partition, source_offset))
+                .unwrap_or_else(|| panic!("unexpected or repeated dead letter: {record:?}"));
+            assert_eq!(record.key, key, "key unchanged");
+            assert_eq!(record.value, value, "value unchanged");
+            seen += 1;
+        }
+        // At the end: no records, but the offsets.
+        let past = client
+            .read_topic(dlq, partition, read.end_offset, 0)
+            .await
+            .unwrap();
+        assert!(past.records.is_empty());
+        assert_eq!(past.end_offset, read.end_offset);
+    }
+    assert_eq!(seen, 6);
+    assert!(expected.is_empty(), "not dead-lettered: {expected:?}");
+
+    // A page of one record, from the source topic: the end says how much is left.
+    let busiest = produced.partitions.iter().max_by_key(|p| p.count).unwrap();
+    let page = client
+        .read_topic("events", busiest.partition, 0, 1)
+        .await
+        .unwrap();
+    assert_eq!(page.records.len(), 1);
+    assert_eq!(page.records[0].offset, 0);
+    assert_eq!(page.end_offset, busiest.count as i64);
+
+    // Errors: NOT_FOUND, then INVALID_ARGUMENT naming the field.
+    let err = code_of(client.read_topic("no-such-topic", 0, 0, 0).await);
+    assert!(matches!(err, ClientError::UnknownStore { .. }), "{err:?}");
+    let invalid = |err: ClientError, field: &str| {
+        assert!(
+            matches!(&err, ClientError::IllegalArgument { field_violations, .. }
+                if field_violations.iter().any(|v| v.field == field)),
+            "{err:?}"
+        );
+        err
+    };
+    invalid(code_of(client.read_topic(dlq, 0, -1, 0).await), "offset");
+    invalid(code_of(client.read_topic(dlq, 0, 0, 20_000).await), "max_records");
+    let err = invalid(code_of(client.read_topic(dlq, 2, 0, 0).await), "partition");
+    assert!(err.to_string().contains("2 partitions"), "{err}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_topic_below_the_retained_start_is_out_of_range() {
+    // A topic no pipeline reads, whose oldest five records retention removed.
+    let log = MemoryLog::new();
+    log.ensure_topic("archive", 1).unwrap();
+    let records = (0..10)
+        .map(|i| ProducerRecord {
+            value: format!("v{i}").into(),
+            partition: Some(0),
+            ..Default::default()
+        })
+        .collect();
+    log.append("archive", records).unwrap();
+    let everything = Retention {
+        max_bytes: Some(0),
+        max_age_ms: None,
+    };
+    assert_eq!(log.enforce_retention("archive", 0, everything, 5, 0).unwrap(), 5);
+    let server = Server::start_on(config(), Some(log)).await;
+    let client = &server.client;
+
+    let err = code_of(client.read_topic("archive", 0, 4, 0).await);
+    assert!(matches!(err, ClientError::OutOfRange { .. }), "{err:?}");
+    assert!(err.to_string().contains("earliest is 5"), "{err}");
+    let read = client.read_topic("archive", 0, 5, 0).await.unwrap();
+    assert_eq!((read.start_offset, read.end_offset), (5, 10));
+    let offsets: Vec<i64> = read.records.iter().map(|r| r.offset).collect();
+    assert_eq!(offsets, (5..10).collect::<Vec<_>>());
+    assert_eq!(read.records[0].value, "v5");
+    assert_eq!(read.records[0].key, None);
     server.stop().await;
 }

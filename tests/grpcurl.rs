@@ -140,6 +140,7 @@ const PRODUCE: &str = "taskstream.v1.StreamsService/Produce";
 const METADATA: &str = "taskstream.v1.StreamsService/ProcessMetadataForStore";
 const STREAM: &str = "taskstream.v1.StreamsService/GetMetadataAsync";
 const DESCRIBE: &str = "taskstream.v1.AdminService/DescribeRuntime";
+const READ_TOPIC: &str = "taskstream.v1.StreamsService/ReadTopic";
 
 /// Produces `keyed` records over ten keys, two without a key and one sent to
 /// partition 7 explicitly; returns per partition the (offset, base64 key)
@@ -223,6 +224,7 @@ fn reflection_lists_and_describes_every_service() {
         "Produce",
         "MetadataForKey",
         "Query",
+        "ReadTopic",
     ] {
         let full = format!("taskstream.v1.StreamsService.{method}");
         assert!(
@@ -466,5 +468,46 @@ fn describe_runtime() {
     assert_eq!(ukeys["processingOrder"], "PROCESSING_ORDER_UNORDERED");
     assert_eq!(ukeys["threadsPerTask"], 2);
     assert_eq!(array(&runtime["tasks"]).len(), 16, "8 partitions × 2 pipelines");
+    server.stop();
+}
+
+#[test]
+fn read_topic_returns_the_produced_records() {
+    let server = Server::start("grpcurl-test");
+    let produced = produce(&server, 20);
+    let (&partition, expected) = produced
+        .iter()
+        .max_by_key(|(_, records)| records.len())
+        .expect("something was produced");
+
+    let request = serde_json::json!({"topic": "events", "partition": partition, "offset": 0});
+    let response = grpcurl_ok(&server, Some(&request.to_string()), &[READ_TOPIC]).message();
+    assert_eq!(response["topic"], "events", "{response:#}");
+    assert_eq!(int(&response["partition"]), i64::from(partition), "{response:#}");
+    assert_eq!(int(&response["startOffset"]), 0, "{response:#}");
+    assert_eq!(int(&response["endOffset"]), expected.len() as i64, "{response:#}");
+    let records: Vec<(i64, Option<String>)> = array(&response["records"])
+        .iter()
+        .inspect(|r| {
+            assert_eq!(int(&r["partition"]), i64::from(partition), "{r:#}");
+            assert!(int(&r["timestampMs"]) > 0, "{r:#}");
+            assert!(r["value"].as_str().is_some_and(|v| !v.is_empty()), "{r:#}");
+        })
+        .map(|r| {
+            (
+                int(&r["offset"]),
+                r.get("key").and_then(Value::as_str).map(str::to_owned),
+            )
+        })
+        .collect();
+    assert_eq!(&records, expected, "records read differ from those produced");
+
+    let unknown = grpcurl(&server, Some(r#"{"topic":"nope"}"#), &[READ_TOPIC]);
+    assert!(!unknown.status.success(), "{}", unknown.describe());
+    assert!(
+        unknown.stderr.contains("Code: NotFound"),
+        "{}",
+        unknown.describe()
+    );
     server.stop();
 }

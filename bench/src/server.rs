@@ -280,6 +280,13 @@ impl StreamsService for Bare {
     ) -> Result<Response<pb::ProduceResponse>, Status> {
         Err(Status::unimplemented("bare benchmark server"))
     }
+
+    async fn read_topic(
+        &self,
+        _request: Request<pb::ReadTopicRequest>,
+    ) -> Result<Response<pb::ReadTopicResponse>, Status> {
+        Err(Status::unimplemented("bare benchmark server"))
+    }
 }
 
 /// A child server process, seen from the harness.

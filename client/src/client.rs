@@ -205,6 +205,29 @@ impl StreamsClient {
         Ok(self.streams().produce_stream(requests).await?.into_inner())
     }
 
+    /// Up to `max_records` records (0 = the server's default of 500; at most
+    /// 10,000) of one partition of any topic of the log from `offset` on, e.g.
+    /// a pipeline's dead-letter topic `<application_id>-<pipeline>-dlq`, with the
+    /// partition's start and end offsets. An unknown topic is `UnknownStore`
+    /// (NOT_FOUND); a partition out of range, a negative offset or too large a
+    /// `max_records` is `IllegalArgument`; an offset below the oldest retained
+    /// is `OutOfRange`. At or after the end the answer has no records.
+    pub async fn read_topic(
+        &self,
+        topic: &str,
+        partition: u32,
+        offset: i64,
+        max_records: u32,
+    ) -> Result<v1::ReadTopicResponse, ClientError> {
+        let request = v1::ReadTopicRequest {
+            topic: topic.to_owned(),
+            partition,
+            offset,
+            max_records,
+        };
+        Ok(self.streams().read_topic(request).await?.into_inner())
+    }
+
     /// Subscribes to record metadata of `store` and returns at once.
     ///
     /// Every streamed batch becomes exactly one `callback.on_complete(Ok(batch))`.
@@ -342,6 +365,28 @@ mod tests {
         let produced = fake.produced.lock().expect("lock");
         assert_eq!(produced.len(), 3);
         assert!(produced.iter().all(|r| r.topic == "events"));
+    }
+
+    #[tokio::test]
+    async fn read_topic_sends_the_request_and_keeps_headers_in_order() {
+        let (client, _, _) = serve(Fake::default()).await;
+        let response = client
+            .read_topic("app-p-dlq", 3, 42, 7)
+            .await
+            .expect("read_topic");
+        assert_eq!((response.topic.as_str(), response.partition), ("app-p-dlq", 3));
+        assert_eq!((response.start_offset, response.end_offset), (0, 43));
+        let record = &response.records[0];
+        assert_eq!((record.partition, record.offset), (3, 42));
+        assert_eq!(record.value, Bytes::from_static(b"max 7"));
+        let headers: Vec<(&str, &[u8])> = record
+            .headers
+            .iter()
+            .map(|h| (h.name.as_str(), h.value.as_ref()))
+            .collect();
+        assert_eq!(headers, vec![("h", &b"1"[..]), ("h", b"2")]);
+        let error = client.read_topic("nope", 0, 0, 0).await.unwrap_err();
+        assert!(matches!(error, ClientError::UnknownStore { .. }), "{error:?}");
     }
 
     #[tokio::test]

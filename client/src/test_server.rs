@@ -206,4 +206,34 @@ impl StreamsService for Fake {
         }
         Ok(Response::new(response))
     }
+
+    /// Echoes the request: one record at the requested offset, headers with a
+    /// repeated name, and `end_offset` one past it; topic `nope` is NOT_FOUND.
+    async fn read_topic(
+        &self,
+        request: Request<v1::ReadTopicRequest>,
+    ) -> Result<Response<v1::ReadTopicResponse>, Status> {
+        let request = request.into_inner();
+        if request.topic == "nope" {
+            return Err(Status::not_found(format!("unknown topic `{}`", request.topic)));
+        }
+        let header = |name: &str, value: &'static str| v1::Header {
+            name: name.into(),
+            value: value.into(),
+        };
+        Ok(Response::new(v1::ReadTopicResponse {
+            topic: request.topic,
+            partition: request.partition,
+            records: vec![v1::TopicRecord {
+                partition: request.partition,
+                offset: request.offset,
+                timestamp_ms: 1_000,
+                key: Some("k".into()),
+                value: format!("max {}", request.max_records).into(),
+                headers: vec![header("h", "1"), header("h", "2")],
+            }],
+            start_offset: 0,
+            end_offset: request.offset + 1,
+        }))
+    }
 }

@@ -8,7 +8,7 @@
 //!   `RedbLog` on disk), Kafka's partitioner.
 //! - `processor`: the `Processor` trait and the built-ins.
 //! - `store`: the `KeyValueStore` trait and backends.
-//! - `metadata`: StreamsMetadata, record outcomes, subscriptions.
+//! - `metadata`: StreamsMetadata, record outcomes, subscriptions, query and topic-read answers.
 //! - `metrics`: Prometheus metrics (recorded by the runtime, served by the binary).
 //! - `runtime`: threads, tasks, scheduling, sequencer/watermark, commits, the
 //!   retry path (retry and dead-letter topics), store restore; `StreamsApp`.
@@ -34,7 +34,7 @@ pub use log::{Log, LogError, MemoryLog, ProducerRecord, Record, RecordPosition, 
 pub use metadata::{
     AppState, EndAt, HostInfo, KeyMetadata, Outcome, OutcomeBatch, OutcomeSubscription, PartitionQueryResult,
     RecordOutcome, RuntimeDescription, StartAt, StoreMetadata, StreamsMetadata, SubscribeRequest,
-    SubscriptionEvent, TaskMetadata, ThreadMetadata, ThreadState,
+    SubscriptionEvent, TaskMetadata, ThreadMetadata, ThreadState, TopicRead,
 };
 pub use processor::{ProcessError, Processor, ProcessorContext};
 pub use runtime::retry::headers as failure_headers;

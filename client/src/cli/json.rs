@@ -138,6 +138,33 @@ pub fn produce(response: &v1::ProduceResponse) -> Value {
     })
 }
 
+/// Headers as a list of `{name, value}`: they keep their order and may repeat.
+pub fn topic_read(response: &v1::ReadTopicResponse) -> Value {
+    let records: Vec<Value> = response
+        .records
+        .iter()
+        .map(|r| {
+            json!({
+                "partition": r.partition,
+                "offset": r.offset,
+                "timestamp_ms": r.timestamp_ms,
+                "key": opt_bytes(r.key.as_ref()),
+                "value": bytes(&r.value),
+                "headers": r.headers.iter()
+                    .map(|h| json!({ "name": h.name, "value": bytes(&h.value) }))
+                    .collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    json!({
+        "topic": response.topic,
+        "partition": response.partition,
+        "start_offset": response.start_offset,
+        "end_offset": response.end_offset,
+        "records": records,
+    })
+}
+
 pub fn describe(response: &v1::DescribeRuntimeResponse) -> Value {
     let threads: Vec<Value> = response
         .threads

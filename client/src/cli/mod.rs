@@ -1,9 +1,11 @@
 //! Pieces of the `taskstream` CLI that are not argument parsing: output
-//! (`json`, `render`), and the two commands with moving parts (`produce`
-//! reads stdin with a progress bar, `watch` drives a callback subscription).
+//! (`json`, `render`), and the commands with moving parts (`produce` reads
+//! stdin with a progress bar, `watch` drives a callback subscription, `read`
+//! finds a topic's oldest retained offset).
 
 pub mod json;
 pub mod produce;
+pub mod read;
 pub mod render;
 pub mod watch;
 

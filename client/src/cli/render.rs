@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use taskstream_client::{MetadataBatch, v1};
 
-use super::enum_name;
+use super::{enum_name, text};
 
 /// A table with left-aligned columns separated by two spaces.
 pub struct Table {
@@ -215,6 +215,42 @@ pub fn produce(response: &v1::ProduceResponse) -> String {
     out
 }
 
+/// One line per record, `partition/offset  key  value` (`-` for no key), its
+/// headers indented below it, then where the partition starts and ends.
+pub fn topic_read(response: &v1::ReadTopicResponse) -> String {
+    let mut out = String::new();
+    for record in &response.records {
+        let key = record.key.as_ref().map_or_else(|| "-".to_owned(), text);
+        let _ = writeln!(
+            out,
+            "{}/{}  {key}  {}",
+            record.partition,
+            record.offset,
+            text(&record.value)
+        );
+        for header in &record.headers {
+            let _ = writeln!(out, "  {}: {}", header.name, text(&header.value));
+        }
+    }
+    let _ = write!(
+        out,
+        "{}-{}: {}; start offset {}, end offset {}",
+        response.topic,
+        response.partition,
+        records(response.records.len() as u64),
+        response.start_offset,
+        response.end_offset
+    );
+    // A page: say where the next one starts.
+    if let Some(last) = response.records.last()
+        && last.offset + 1 < response.end_offset
+    {
+        let _ = write!(out, "; more from offset {}", last.offset + 1);
+    }
+    out.push('\n');
+    out
+}
+
 pub fn describe(response: &v1::DescribeRuntimeResponse) -> String {
     let mut out = format!(
         "application {}  host {}  state {}  stream threads {} ({} in reserve, {} on retries)\n\n",
@@ -278,6 +314,51 @@ mod tests {
         let mut table = Table::new(&["A", "LONGER"]);
         table.row(vec!["wide-cell".into(), "x".into()]);
         assert_eq!(table.render(), "A          LONGER\nwide-cell  x\n");
+    }
+
+    #[test]
+    fn topic_read_lists_records_with_headers_then_the_offsets() {
+        let header = |name: &str, value: &'static [u8]| v1::Header {
+            name: name.into(),
+            value: value.into(),
+        };
+        let mut response = v1::ReadTopicResponse {
+            topic: "app-counts-dlq".into(),
+            partition: 2,
+            records: vec![
+                v1::TopicRecord {
+                    partition: 2,
+                    offset: 4,
+                    key: Some("alice".into()),
+                    value: "1".into(),
+                    headers: vec![
+                        header("__streams.errors.exception", b"Boom"),
+                        header("h", b"\xff"),
+                    ],
+                    ..Default::default()
+                },
+                v1::TopicRecord {
+                    partition: 2,
+                    offset: 5,
+                    value: "x".into(),
+                    ..Default::default()
+                },
+            ],
+            start_offset: 3,
+            end_offset: 6,
+        };
+        assert_eq!(
+            topic_read(&response),
+            "2/4  alice  1\n  __streams.errors.exception: Boom\n  h: \u{fffd}\n2/5  -  x\n\
+             app-counts-dlq-2: 2 records; start offset 3, end offset 6\n"
+        );
+        response.end_offset = 9;
+        assert!(topic_read(&response).ends_with("end offset 9; more from offset 6\n"));
+        response.records.clear();
+        assert_eq!(
+            topic_read(&response),
+            "app-counts-dlq-2: 0 records; start offset 3, end offset 9\n"
+        );
     }
 
     #[test]

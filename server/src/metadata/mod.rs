@@ -1,6 +1,7 @@
 //! The metadata model: StreamsMetadata and per-task metadata as Kafka Streams
 //! shows them, record outcomes published in batches (one per completed range),
-//! and the subscriptions that stream them (`subscription`).
+//! the subscriptions that stream them (`subscription`), and the answers of
+//! queries and topic reads.
 
 mod subscription;
 
@@ -8,6 +9,7 @@ pub(crate) use subscription::PartitionRange;
 pub use subscription::{EndAt, OutcomeSubscription, StartAt, SubscribeRequest, SubscriptionEvent};
 
 use crate::config::ProcessingOrder;
+use crate::log::Record;
 use bytes::Bytes;
 use std::sync::Arc;
 
@@ -94,6 +96,18 @@ pub struct PartitionQueryResult {
     /// The task's watermark when the store was read.
     pub position: u64,
     pub entries: Vec<(Bytes, Bytes)>,
+}
+
+/// The answer to `read_topic`: records of one partition, and the offsets that
+/// say where the partition begins and ends now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopicRead {
+    /// From the requested offset on, in offset order (empty at or after the end).
+    pub records: Vec<Record>,
+    /// The oldest offset still retained.
+    pub start_offset: u64,
+    /// The next offset to be written.
+    pub end_offset: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -796,6 +796,35 @@ impl StreamsApp {
         Ok(shared.log.append(topic, records)?)
     }
 
+    /// Up to `max` records of one partition of any topic of the log (a source,
+    /// retry or dead-letter topic) from `offset` on, with the partition's start
+    /// and end offsets. An offset below the oldest retained is `OffsetOutOfRange`;
+    /// one at or after the end reads nothing.
+    pub fn read_topic(
+        &self,
+        topic: &str,
+        partition: u32,
+        offset: u64,
+        max: usize,
+    ) -> Result<TopicRead, RuntimeError> {
+        let shared = self.shared();
+        shared.ensure_running()?;
+        if topic.is_empty() {
+            return Err(RuntimeError::invalid_argument("topic", "must not be empty"));
+        }
+        // An unknown topic or partition comes back from the log as UnknownTopic,
+        // or as InvalidArgument on `partition` naming the partition count.
+        let mut records = Vec::new();
+        shared.log.read(topic, partition, offset, max, &mut records)?;
+        // Asked after the read, so the end is past every record returned even
+        // while producers append, and the start is what is retained now.
+        Ok(TopicRead {
+            records,
+            start_offset: shared.log.start_offset(topic, partition)?,
+            end_offset: shared.log.end_offset(topic, partition)?,
+        })
+    }
+
     /// StreamsMetadata of the instances hosting `store`. `in_order` is refused
     /// (`OrderNotGuaranteed`) when the store's tasks run `key` or `unordered` with T > 1.
     pub fn process_metadata_for_store(

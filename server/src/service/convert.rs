@@ -1,13 +1,14 @@
-//! Responses out: runtime metadata, query results, produce positions and record
-//! outcomes as proto messages. Pure functions, no I/O; offsets are `u64` in the
-//! runtime and `int64` on the wire (saturating, which no real log reaches).
+//! Responses out: runtime metadata, query results, produce positions, record
+//! outcomes and topic reads as proto messages. Pure functions, no I/O; offsets
+//! are `u64` in the runtime and `int64` on the wire (saturating, which no real
+//! log reaches).
 
 use crate::config::ProcessingOrder;
-use crate::log::RecordPosition;
+use crate::log::{Record, RecordPosition};
 use crate::metadata::{
     AppState, HostInfo, KeyMetadata, Outcome, OutcomeBatch, PartitionQueryResult, PipelineMetadata,
     RecordOutcome, RuntimeDescription, StoreMetadata, StreamsMetadata, TaskMetadata, TaskState,
-    ThreadMetadata, ThreadState, TopicPartition,
+    ThreadMetadata, ThreadState, TopicPartition, TopicRead,
 };
 use std::collections::BTreeMap;
 use taskstream::v1 as pb;
@@ -159,6 +160,31 @@ pub fn record_position(position: &RecordPosition) -> pb::RecordPosition {
     pb::RecordPosition {
         partition: position.partition,
         offset: offset(position.offset),
+    }
+}
+
+fn topic_record(record: Record) -> pb::TopicRecord {
+    pb::TopicRecord {
+        partition: record.partition,
+        offset: offset(record.offset),
+        timestamp_ms: record.timestamp_ms,
+        key: record.key,
+        value: record.value,
+        headers: record
+            .headers
+            .into_iter()
+            .map(|(name, value)| pb::Header { name, value })
+            .collect(),
+    }
+}
+
+pub fn topic_read(topic: String, partition: u32, read: TopicRead) -> pb::ReadTopicResponse {
+    pb::ReadTopicResponse {
+        topic,
+        partition,
+        records: read.records.into_iter().map(topic_record).collect(),
+        start_offset: offset(read.start_offset),
+        end_offset: offset(read.end_offset),
     }
 }
 
@@ -394,6 +420,44 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn topic_reads_keep_every_field_and_header_order() {
+        let record = |offset: u64, key: Option<&'static [u8]>| Record {
+            partition: 2,
+            offset,
+            timestamp_ms: 1_000 + offset as i64,
+            key: key.map(Bytes::from_static),
+            value: Bytes::from(format!("v{offset}")),
+            headers: vec![
+                ("b".to_string(), Bytes::from_static(b"2")),
+                ("a".to_string(), Bytes::from_static(b"1")),
+                ("b".to_string(), Bytes::from_static(b"3")),
+            ],
+        };
+        let response = topic_read(
+            "app-p-dlq".into(),
+            2,
+            TopicRead {
+                records: vec![record(5, Some(b"k")), record(6, None)],
+                start_offset: 3,
+                end_offset: 9,
+            },
+        );
+        assert_eq!((response.topic.as_str(), response.partition), ("app-p-dlq", 2));
+        assert_eq!((response.start_offset, response.end_offset), (3, 9));
+        let first = &response.records[0];
+        assert_eq!((first.partition, first.offset, first.timestamp_ms), (2, 5, 1_005));
+        assert_eq!(first.key.as_deref(), Some(&b"k"[..]));
+        assert_eq!(first.value, Bytes::from_static(b"v5"));
+        let headers: Vec<(&str, &[u8])> = first
+            .headers
+            .iter()
+            .map(|h| (h.name.as_str(), h.value.as_ref()))
+            .collect();
+        assert_eq!(headers, vec![("b", &b"2"[..]), ("a", b"1"), ("b", b"3")]);
+        assert_eq!(response.records[1].key, None);
     }
 
     #[test]

@@ -12,13 +12,28 @@ use taskstream::v1 as pb;
 /// Longest store or topic name; the config accepts no longer names either.
 const MAX_NAME_LEN: usize = 200;
 
+/// Longest topic ReadTopic accepts: a retry topic `<application_id>-<pipeline>-retry`
+/// joins two names of up to `MAX_NAME_LEN`.
+const MAX_READ_TOPIC_LEN: usize = 2 * MAX_NAME_LEN + "--retry".len();
+
+/// Records a ReadTopic returns when it does not say (`max_records = 0`).
+pub const DEFAULT_READ_RECORDS: usize = 500;
+
+/// Most records one ReadTopic may ask for: the answer is one message, and a
+/// reader pages on from the last offset anyway.
+pub const MAX_READ_RECORDS: usize = 10_000;
+
 /// Store and topic names follow the config's rule (they end up in task ids and
 /// topic names), so a name the config could never accept is malformed, not unknown.
 pub fn check_name(field: &str, name: &str) -> Result<(), RuntimeError> {
+    check_name_up_to(field, name, MAX_NAME_LEN)
+}
+
+fn check_name_up_to(field: &str, name: &str, max_len: usize) -> Result<(), RuntimeError> {
     if name.is_empty() {
         return Err(RuntimeError::invalid_argument(field, "must not be empty"));
     }
-    if name.len() > MAX_NAME_LEN
+    if name.len() > max_len
         || !name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
@@ -26,7 +41,7 @@ pub fn check_name(field: &str, name: &str) -> Result<(), RuntimeError> {
         return Err(RuntimeError::invalid_argument(
             field,
             format!(
-                "`{}` is not a valid name: use letters, digits, `.`, `_` and `-` (at most {MAX_NAME_LEN})",
+                "`{}` is not a valid name: use letters, digits, `.`, `_` and `-` (at most {max_len})",
                 name.escape_debug()
             ),
         ));
@@ -230,6 +245,42 @@ fn producer_record(index: usize, record: pb::ProducerRecord) -> Result<ProducerR
         partition: record.partition,
         timestamp_ms,
         headers,
+    })
+}
+
+/// A ReadTopic request as the runtime takes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopicReadArgs {
+    pub topic: String,
+    pub partition: u32,
+    pub offset: u64,
+    pub max_records: usize,
+}
+
+pub fn topic_read(request: pb::ReadTopicRequest) -> Result<TopicReadArgs, RuntimeError> {
+    // Internal topics (retry, dead-letter) have longer names than the config allows for its own.
+    check_name_up_to("topic", &request.topic, MAX_READ_TOPIC_LEN)?;
+    let offset = u64::try_from(request.offset).map_err(|_| {
+        RuntimeError::invalid_argument(
+            "offset",
+            format!("{} is negative; offsets start at 0", request.offset),
+        )
+    })?;
+    let max_records = match request.max_records as usize {
+        0 => DEFAULT_READ_RECORDS,
+        max if max > MAX_READ_RECORDS => {
+            return Err(RuntimeError::invalid_argument(
+                "max_records",
+                format!("{max} is more than {MAX_READ_RECORDS}; read in pages from the last offset + 1"),
+            ));
+        }
+        max => max,
+    };
+    Ok(TopicReadArgs {
+        topic: request.topic,
+        partition: request.partition,
+        offset,
+        max_records,
     })
 }
 
@@ -499,5 +550,50 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn topic_read_defaults_and_bounds() {
+        let request = |offset, max_records| pb::ReadTopicRequest {
+            topic: "app-counts-dlq".into(),
+            partition: 3,
+            offset,
+            max_records,
+        };
+        assert_eq!(
+            topic_read(request(7, 0)).unwrap(),
+            TopicReadArgs {
+                topic: "app-counts-dlq".into(),
+                partition: 3,
+                offset: 7,
+                max_records: DEFAULT_READ_RECORDS,
+            }
+        );
+        assert_eq!(
+            topic_read(request(0, MAX_READ_RECORDS as u32))
+                .unwrap()
+                .max_records,
+            MAX_READ_RECORDS
+        );
+        assert_eq!(field_of(topic_read(request(-1, 0)).unwrap_err()), "offset");
+        assert_eq!(
+            field_of(topic_read(request(0, MAX_READ_RECORDS as u32 + 1)).unwrap_err()),
+            "max_records"
+        );
+        for topic in ["", "has space"] {
+            let error = topic_read(pb::ReadTopicRequest {
+                topic: topic.into(),
+                ..request(0, 0)
+            })
+            .unwrap_err();
+            assert_eq!(field_of(error), "topic", "{topic:?}");
+        }
+        // The retry topic of the longest application id and pipeline name is readable.
+        let longest = format!("{}-{}-retry", "a".repeat(200), "p".repeat(200));
+        topic_read(pb::ReadTopicRequest {
+            topic: longest,
+            ..request(0, 0)
+        })
+        .unwrap();
     }
 }

@@ -1,5 +1,5 @@
 //! `taskstream.v1.StreamsService`: metadata, record-outcome streams, interactive
-//! queries and produce. Each handler checks its request, calls `StreamsApp`
+//! queries, produce and topic reads. Each handler checks its request, calls `StreamsApp`
 //! and translates the answer; errors go through `status::to_status`.
 
 use super::convert::{self, PartitionRanges};
@@ -119,6 +119,23 @@ impl StreamsService for StreamsHandler {
             positions: positions.iter().map(convert::record_position).collect(),
             partitions: ranges.to_proto(),
         }))
+    }
+
+    async fn read_topic(
+        &self,
+        request: Request<pb::ReadTopicRequest>,
+    ) -> Result<Response<pb::ReadTopicResponse>, Status> {
+        let request::TopicReadArgs {
+            topic,
+            partition,
+            offset,
+            max_records,
+        } = request::topic_read(request.into_inner()).map_err(to_status)?;
+        let app = self.app.clone();
+        let name = topic.clone();
+        // A durable log is read from disk: off the async workers.
+        let read = blocking(move || app.read_topic(&name, partition, offset, max_records)).await?;
+        Ok(Response::new(convert::topic_read(topic, partition, read)))
     }
 
     /// Appends each batch as it arrives, so memory stays at one batch however
