@@ -18,7 +18,8 @@ use crate::log::{Log, MemoryLog, ProducerRecord, RecordPosition, RedbLog, Retent
 use crate::metadata::*;
 use crate::processor::{self, Processor};
 use bytes::Bytes;
-use std::collections::{HashMap, HashSet};
+use retry::RetryBacklog;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak, mpsc};
 use std::time::{Duration, Instant};
@@ -596,10 +597,17 @@ impl AppBuilder {
                         Vec::new(),
                     ),
                 };
-                let retry_done_set: HashSet<u64> = retry_done.iter().copied().collect();
                 let start = committed.unwrap_or(earliest).max(earliest);
                 let retry_start = retry_committed.unwrap_or(retry_earliest).max(retry_earliest);
                 let keyed = effective.order == ProcessingOrder::Key;
+                let backlog = RetryBacklog::scan(
+                    log.as_ref(),
+                    &retry_topic,
+                    partition,
+                    retry_start..retry_end,
+                    retry_done,
+                    start,
+                )?;
                 let mut task = Task::new(
                     id,
                     index,
@@ -612,30 +620,21 @@ impl AppBuilder {
                     config.max_batch_records,
                     config.max_in_flight_records,
                     config.outcome_retention_records,
-                    retry::RetryQueue::new(retry_start, keyed, config.max_in_flight_records, retry_done),
+                    retry::RetryQueue::new(
+                        retry_start,
+                        keyed,
+                        config.max_in_flight_records,
+                        backlog.final_offsets,
+                    ),
                 );
                 task.persistent = store.persistent().is_some();
                 task.retry.committed = retry_committed.unwrap_or(retry_start);
-                // Records still on the retry path: their keys stay parked, and a
-                // replay of the source leaves them to the retry path.
-                let mut pending_sources = HashSet::new();
-                let mut from = retry_start;
-                while from < retry_end {
-                    let mut records = Vec::new();
-                    log.read(&retry_topic, partition, from, 10_000, &mut records)?;
-                    let Some(last) = records.last() else { break };
-                    from = last.offset + 1;
-                    for record in records
-                        .into_iter()
-                        .filter(|r| !retry_done_set.contains(&r.offset))
-                    {
-                        let item = retry::decode(record, |_, _| Duration::ZERO);
-                        if keyed && let Some(key) = &item.record.key {
-                            task.parked.add(key, false);
-                        }
-                        pending_sources.insert(item.record.offset);
+                if keyed {
+                    for key in &backlog.pending_keys {
+                        task.parked.add(key, false);
                     }
                 }
+                let pending_sources = backlog.pending_sources;
                 // A memory store is rebuilt from what the log retains, up to the
                 // committed watermark, before the task runs.
                 if !task.persistent && start > earliest {

@@ -5,7 +5,7 @@
 //! retry-topic watermark that is committed with the source watermark.
 
 use super::sequencer::Sequencer;
-use crate::log::{ProducerRecord, Record};
+use crate::log::{Log, LogError, ProducerRecord, Record};
 use crate::processor::splitmix64;
 use bytes::Bytes;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -28,8 +28,11 @@ pub mod headers {
     pub const LAST_FAILURE_MS: &str = "taskstream.errors.last_failure_ms";
     /// The original record's timestamp (the retry record carries it too).
     pub const TIMESTAMP_MS: &str = "taskstream.errors.timestamp_ms";
+    /// On a marker record of the retry topic: the retry offsets (decimal,
+    /// comma-separated) that are void — written by a pass a restart discarded.
+    pub const VOID: &str = "taskstream.retry.void";
     /// Prefix of every header the runtime adds; removed before a retry attempt.
-    pub(crate) const PREFIXES: [&str; 2] = ["__streams.errors.", "taskstream.errors."];
+    pub(crate) const PREFIXES: [&str; 3] = ["__streams.errors.", "taskstream.errors.", "taskstream.retry."];
 }
 
 /// Why a record is on the retry path and what happened to it so far.
@@ -54,6 +57,8 @@ pub(crate) struct RetryItem {
     pub(crate) failure: Failure,
     /// Epoch milliseconds at which the next attempt may start.
     pub(crate) due_ms: i64,
+    /// A void marker (see `headers::VOID`), not a record to retry.
+    pub(crate) marker: bool,
 }
 
 /// The backoff after `attempts` failed attempts: `base · 2^(attempts−1)`,
@@ -121,6 +126,7 @@ fn header_text(record: &Record, name: &str) -> String {
 /// Decodes a retry-topic record. A record missing runtime headers (written by
 /// hand) is retried as a first failure of its own offset.
 pub(crate) fn decode(retry: Record, backoff_of: impl Fn(u32, u64) -> Duration) -> RetryItem {
+    let marker = retry.headers.iter().any(|(name, _)| name == headers::VOID);
     let attempts = header(&retry, headers::ATTEMPTS).unwrap_or(1);
     let last_failure_ms = header(&retry, headers::LAST_FAILURE_MS).unwrap_or(retry.timestamp_ms);
     let failure = Failure {
@@ -154,6 +160,98 @@ pub(crate) fn decode(retry: Record, backoff_of: impl Fn(u32, u64) -> Duration) -
         record,
         failure,
         due_ms,
+        marker,
+    }
+}
+
+/// A marker record saying the retry entries at `offsets` are void.
+pub(crate) fn void_marker(partition: u32, offsets: &[u64]) -> ProducerRecord {
+    let list: Vec<String> = offsets.iter().map(u64::to_string).collect();
+    ProducerRecord {
+        partition: Some(partition),
+        headers: vec![(headers::VOID.to_string(), Bytes::from(list.join(",")))],
+        ..ProducerRecord::default()
+    }
+}
+
+/// The offsets a void marker voids; `None` for any other record.
+pub(crate) fn voided_offsets(record: &Record) -> Option<Vec<u64>> {
+    let (_, value) = record.headers.iter().find(|(name, _)| name == headers::VOID)?;
+    let text = std::str::from_utf8(value).ok()?;
+    Some(text.split(',').filter_map(|o| o.trim().parse().ok()).collect())
+}
+
+/// What a task finds on its retry path at start.
+pub(crate) struct RetryBacklog {
+    /// Retry offsets that must not run: final before the restart (from the
+    /// store's checkpoint), void (see below), and the void markers themselves.
+    pub(crate) final_offsets: Vec<u64>,
+    /// Source offsets whose entries are genuinely pending: a replay of the
+    /// source (memory-store restore) leaves them to the retry path.
+    pub(crate) pending_sources: HashSet<u64>,
+    /// `key` order: the keys of the pending entries, one per entry, to park.
+    pub(crate) pending_keys: Vec<Bytes>,
+}
+
+impl RetryBacklog {
+    /// Reads the retry-topic partition over `range` (from the committed retry
+    /// position to the end). An entry for a source offset at or after
+    /// `source_start` was written by a pass the restart discards: the source
+    /// pass will run that record again, in its place among its key's records,
+    /// so the old entry is void. A void marker appended to the retry topic
+    /// makes that durable, so no later restart, with a later watermark, takes
+    /// the entry for a pending one.
+    pub(crate) fn scan(
+        log: &dyn Log,
+        topic: &str,
+        partition: u32,
+        range: std::ops::Range<u64>,
+        final_before: Vec<u64>,
+        source_start: u64,
+    ) -> Result<RetryBacklog, LogError> {
+        let mut final_offsets: HashSet<u64> = final_before.into_iter().collect();
+        let mut entries = Vec::new();
+        let mut from = range.start;
+        while from < range.end {
+            let mut records = Vec::new();
+            log.read(topic, partition, from, 10_000, &mut records)?;
+            let Some(last) = records.last() else { break };
+            from = last.offset + 1;
+            for record in records {
+                if let Some(voided) = voided_offsets(&record) {
+                    final_offsets.extend(voided);
+                    final_offsets.insert(record.offset);
+                } else {
+                    entries.push(decode(record, |_, _| Duration::ZERO));
+                }
+            }
+        }
+        let mut backlog = RetryBacklog {
+            final_offsets: Vec::new(),
+            pending_sources: HashSet::new(),
+            pending_keys: Vec::new(),
+        };
+        let mut void = Vec::new();
+        for entry in entries
+            .iter()
+            .filter(|e| !final_offsets.contains(&e.retry_offset))
+        {
+            if entry.record.offset >= source_start {
+                void.push(entry.retry_offset);
+            } else {
+                backlog.pending_sources.insert(entry.record.offset);
+                backlog.pending_keys.extend(entry.record.key.clone());
+            }
+        }
+        if !void.is_empty() {
+            let positions = log.append(topic, vec![void_marker(partition, &void)])?;
+            final_offsets.extend(void);
+            final_offsets.extend(positions.iter().map(|p| p.offset));
+        }
+        let mut final_offsets: Vec<u64> = final_offsets.into_iter().filter(|&o| o >= range.start).collect();
+        final_offsets.sort_unstable();
+        backlog.final_offsets = final_offsets;
+        Ok(backlog)
     }
 }
 
@@ -258,17 +356,23 @@ impl RetryQueue {
 
     /// Whether the position or the final offsets above it moved since the last commit.
     pub(crate) fn has_uncommitted(&self) -> bool {
-        self.seq.watermark() != self.committed || self.seq.completed_above().len() != self.committed_done
+        self.seq.watermark() != self.committed
+            || self.seq.completed_above().len() + self.done_before.len() != self.committed_done
     }
 
-    /// Final offsets above the watermark, to commit with it.
+    /// Final offsets above the watermark, to commit with it: those completed
+    /// since the start, and those final before it that are not loaded yet
+    /// (dropping them from a checkpoint would let a later restart rerun them).
     pub(crate) fn done_above_watermark(&self) -> Vec<u64> {
-        self.seq.completed_above()
+        let mut done = self.seq.completed_above();
+        done.extend(self.done_before.iter().copied());
+        done.sort_unstable();
+        done
     }
 
     /// Records in the retry topic without a final outcome (loaded or not).
     pub(crate) fn backlog(&self, retry_end: u64) -> u64 {
-        let final_above = self.seq.completed_above().len() as u64;
+        let final_above = (self.seq.completed_above().len() + self.done_before.len()) as u64;
         retry_end
             .saturating_sub(self.seq.watermark())
             .saturating_sub(final_above)
@@ -287,7 +391,7 @@ impl RetryQueue {
         self.not_before_ms = 0;
         self.seq.fetched(items.len());
         for item in items {
-            if self.done_before.remove(&item.retry_offset) {
+            if self.done_before.remove(&item.retry_offset) || item.marker {
                 let mut released = Vec::new();
                 self.seq.complete_offsets([item.retry_offset], (), &mut released);
                 continue;
@@ -468,6 +572,7 @@ mod tests {
             record: record(key, 100 + retry_offset),
             failure: failure(1),
             due_ms,
+            marker: false,
         }
     }
 
