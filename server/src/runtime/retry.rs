@@ -334,6 +334,10 @@ pub(crate) struct RetryQueue {
 /// each may take as long as the processor's latency.
 const RETRY_UNIT_MAX: usize = 16;
 
+/// In `key` order a unit may hold runs of parked records, which take no time
+/// beyond the processor's: more of them per unit.
+const RETRY_UNIT_MAX_KEYED: usize = 256;
+
 impl RetryQueue {
     pub(crate) fn new(start: u64, keyed: bool, window: usize, done_before: Vec<u64>) -> RetryQueue {
         RetryQueue {
@@ -428,30 +432,49 @@ impl RetryQueue {
     }
 
     /// Takes up to a unit's worth of items due at `now_ms`. In `key` order only
-    /// the earliest item of a key may run, and never two of one key at once.
+    /// the earliest items of a key may run, in order, and never two units of
+    /// one key at once: a unit takes a key's run of due items (a failed record
+    /// and the records parked behind it), so a parked run drains in one pass.
     pub(crate) fn take_due(&mut self, now_ms: i64) -> Vec<RetryItem> {
         // Called under the scheduler lock on every pick: skip the scan while
         // nothing can be due (the cache is dropped whenever the queue changes).
         if self.waiting.is_empty() || now_ms < self.not_before_ms {
             return Vec::new();
         }
+        let limit = if self.keyed {
+            RETRY_UNIT_MAX_KEYED
+        } else {
+            RETRY_UNIT_MAX
+        };
         let mut taken = Vec::new();
-        let mut seen_keys: HashSet<Bytes> = HashSet::new();
+        // Keys whose run this unit takes, and keys it must not take any more of.
+        let mut running: HashSet<Bytes> = HashSet::new();
+        let mut stopped: HashSet<Bytes> = HashSet::new();
         let mut next_due = i64::MAX;
         for (&offset, item) in self.waiting.iter().take(1024) {
+            let due = item.due_ms <= now_ms;
             if self.keyed
                 && let Some(key) = &item.record.key
-                && (self.busy_keys.contains(key) || !seen_keys.insert(key.clone()))
             {
+                if self.busy_keys.contains(key) || stopped.contains(key) {
+                    continue;
+                }
+                if !due {
+                    // Later items of the key wait behind this one.
+                    stopped.insert(key.clone());
+                    if !running.contains(key) {
+                        next_due = next_due.min(item.due_ms);
+                    }
+                    continue;
+                }
+                running.insert(key.clone());
+            } else if !due {
+                next_due = next_due.min(item.due_ms);
                 continue;
             }
-            if item.due_ms <= now_ms {
-                taken.push(offset);
-                if taken.len() == RETRY_UNIT_MAX {
-                    break;
-                }
-            } else {
-                next_due = next_due.min(item.due_ms);
+            taken.push(offset);
+            if taken.len() == limit {
+                break;
             }
         }
         if taken.is_empty() {
@@ -584,12 +607,20 @@ mod tests {
         let taken = queue.take_due(10);
         assert_eq!(taken.iter().map(|i| i.retry_offset).collect::<Vec<_>>(), vec![2]);
         assert_eq!(queue.next_due_ms(), Some(50));
+        // Once `a`@0 is due, the unit takes `a`'s whole due run, in order.
         let taken = queue.take_due(60);
-        assert_eq!(taken.iter().map(|i| i.retry_offset).collect::<Vec<_>>(), vec![0]);
+        assert_eq!(taken.iter().map(|i| i.retry_offset).collect::<Vec<_>>(), vec![0, 1]);
         assert!(queue.take_due(60).is_empty(), "a is busy");
-        queue.complete(&[(0, 100, Some(Bytes::from_static(b"a")))], vec![]);
-        assert_eq!(queue.seq.watermark(), 1, "offset 2 is still in progress");
-        assert_eq!(queue.take_due(60)[0].retry_offset, 1);
+        // `a`@0 failed again: `a`@1 comes back untouched, still behind it.
+        let mut again = taken[0].clone();
+        again.due_ms = 80;
+        queue.complete(&[], vec![again, taken[1].clone()]);
+        assert!(queue.take_due(70).is_empty(), "a@1 waits behind a@0");
+        let taken = queue.take_due(80);
+        assert_eq!(taken.iter().map(|i| i.retry_offset).collect::<Vec<_>>(), vec![0, 1]);
+        let a = Some(Bytes::from_static(b"a"));
+        queue.complete(&[(0, 100, a.clone()), (1, 101, a)], vec![]);
+        assert_eq!(queue.seq.watermark(), 2, "offset 2 is still in progress");
     }
 
     #[test]

@@ -779,11 +779,22 @@ fn process_retries(shared: &Shared, context: &UnitContext, items: Vec<RetryItem>
         Processed,
         Again,
         DeadLetter,
+        /// `key` order: an earlier item of its key failed again in this unit,
+        /// so it did not run and waits behind that one.
+        Untouched,
     }
     let pipeline = &shared.pipelines[context.pipeline];
     let max_attempts = shared.config.retry_max_attempts;
     let mut attempted = Vec::with_capacity(items.len());
+    let mut blocked_keys: std::collections::HashSet<bytes::Bytes> = std::collections::HashSet::new();
     for mut item in items {
+        if context.keyed
+            && let Some(key) = &item.record.key
+            && blocked_keys.contains(key)
+        {
+            attempted.push((item, Next::Untouched));
+            continue;
+        }
         let number = item.failure.attempts + 1;
         let next = match attempt(shared, context, &item.record, number) {
             Ok(()) => Next::Processed,
@@ -800,6 +811,11 @@ fn process_retries(shared: &Shared, context: &UnitContext, items: Vec<RetryItem>
                     Next::DeadLetter
                 } else {
                     item.due_ms = now + shared.backoff(number, item.retry_offset).as_millis() as i64;
+                    if context.keyed
+                        && let Some(key) = &item.record.key
+                    {
+                        blocked_keys.insert(key.clone());
+                    }
                     Next::Again
                 }
             }
@@ -819,6 +835,7 @@ fn process_retries(shared: &Shared, context: &UnitContext, items: Vec<RetryItem>
     for (mut item, next) in attempted {
         let attempts = item.failure.attempts;
         let final_outcome = match next {
+            Next::Untouched => false,
             Next::Processed => {
                 outcomes.push(outcome(&item.record, Outcome::Processed, attempts + 1, None));
                 true
