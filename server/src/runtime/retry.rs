@@ -609,7 +609,10 @@ mod tests {
         assert_eq!(queue.next_due_ms(), Some(50));
         // Once `a`@0 is due, the unit takes `a`'s whole due run, in order.
         let taken = queue.take_due(60);
-        assert_eq!(taken.iter().map(|i| i.retry_offset).collect::<Vec<_>>(), vec![0, 1]);
+        assert_eq!(
+            taken.iter().map(|i| i.retry_offset).collect::<Vec<_>>(),
+            vec![0, 1]
+        );
         assert!(queue.take_due(60).is_empty(), "a is busy");
         // `a`@0 failed again: `a`@1 comes back untouched, still behind it.
         let mut again = taken[0].clone();
@@ -617,7 +620,10 @@ mod tests {
         queue.complete(&[], vec![again, taken[1].clone()]);
         assert!(queue.take_due(70).is_empty(), "a@1 waits behind a@0");
         let taken = queue.take_due(80);
-        assert_eq!(taken.iter().map(|i| i.retry_offset).collect::<Vec<_>>(), vec![0, 1]);
+        assert_eq!(
+            taken.iter().map(|i| i.retry_offset).collect::<Vec<_>>(),
+            vec![0, 1]
+        );
         let a = Some(Bytes::from_static(b"a"));
         queue.complete(&[(0, 100, a.clone()), (1, 101, a)], vec![]);
         assert_eq!(queue.seq.watermark(), 2, "offset 2 is still in progress");
