@@ -278,76 +278,14 @@ mod tests {
 
     #[test]
     fn keyed_records_follow_kafkas_partitioner_and_offsets_grow_per_partition() {
-        let log = MemoryLog::new();
-        log.ensure_topic("t", 8).unwrap();
-        let positions = log
-            .append(
-                "t",
-                vec![
-                    ProducerRecord::keyed("a", "1"),
-                    ProducerRecord::keyed("key", "2"),
-                    ProducerRecord::keyed("a", "3"),
-                ],
-            )
-            .unwrap();
-        // From shared/testdata: "a" → 4 and "key" → 1 among 8 partitions.
-        assert_eq!(
-            positions[0],
-            RecordPosition {
-                partition: 4,
-                offset: 0
-            }
-        );
-        assert_eq!(
-            positions[1],
-            RecordPosition {
-                partition: 1,
-                offset: 0
-            }
-        );
-        assert_eq!(
-            positions[2],
-            RecordPosition {
-                partition: 4,
-                offset: 1
-            }
-        );
-        let mut out = Vec::new();
-        log.read("t", 4, 1, 10, &mut out).unwrap();
-        assert_eq!(out.len(), 1);
-        assert_eq!(out[0].value, "3");
-        assert_eq!(log.end_offset("t", 4).unwrap(), 2);
+        super::super::contract::keyed_records_follow_kafkas_partitioner(MemoryLog::new().as_ref());
     }
 
     #[test]
     fn unkeyed_records_are_spread_and_bad_partitions_reject_the_whole_batch() {
-        let log = MemoryLog::new();
-        log.ensure_topic("t", 4).unwrap();
-        let records = (0..8).map(|i| ProducerRecord {
-            value: format!("{i}").into(),
-            ..Default::default()
-        });
-        let positions = log.append("t", records.collect()).unwrap();
-        for p in 0..4 {
-            assert_eq!(positions.iter().filter(|pos| pos.partition == p).count(), 2);
-        }
-        let bad = vec![
-            ProducerRecord::keyed("x", "1"),
-            ProducerRecord {
-                partition: Some(9),
-                ..Default::default()
-            },
-        ];
-        assert!(matches!(
-            log.append("t", bad),
-            Err(LogError::UnknownPartition { partition: 9, .. })
-        ));
-        let total: u64 = (0..4).map(|p| log.end_offset("t", p).unwrap()).sum();
-        assert_eq!(total, 8, "nothing of the rejected batch was written");
-        assert!(matches!(
-            log.append("nope", vec![]),
-            Err(LogError::UnknownTopic(_))
-        ));
+        super::super::contract::unkeyed_records_are_spread_and_bad_batches_rejected_whole(
+            MemoryLog::new().as_ref(),
+        );
     }
 
     #[test]
@@ -386,12 +324,6 @@ mod tests {
 
     #[test]
     fn commits_are_per_group_and_partition() {
-        let log = MemoryLog::new();
-        log.ensure_topic("t", 2).unwrap();
-        assert_eq!(log.committed("g", "t", 0).unwrap(), None);
-        log.commit("g", "t", 0, 42).unwrap();
-        assert_eq!(log.committed("g", "t", 0).unwrap(), Some(42));
-        assert_eq!(log.committed("h", "t", 0).unwrap(), None);
-        assert!(log.ensure_topic("t", 3).is_err());
+        super::super::contract::commits_are_per_group_and_partition(MemoryLog::new().as_ref());
     }
 }

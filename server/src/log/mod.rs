@@ -3,6 +3,8 @@
 //! embedded implementation; a Kafka implementation satisfies the same trait.
 //! Keys are routed exactly as Kafka's default partitioner (`partitioner`).
 
+#[cfg(test)]
+mod contract;
 mod durable;
 mod memory;
 pub mod partitioner;
