@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{Output, run, server_binary};
+use common::{Output, TempDir, run, server_binary};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -473,27 +473,6 @@ processor = "sum"
     assert_eq!(status.code(), Some(0), "{}\n{stderr}", rest.join("\n"));
 }
 
-/// A data dir for one test under the temp dir, removed on drop.
-struct DataDir(PathBuf);
-
-impl DataDir {
-    fn new(name: &str) -> DataDir {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        let path = std::env::temp_dir().join(format!("taskstream-{name}-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&path).expect("create the data dir");
-        DataDir(path)
-    }
-}
-
-impl Drop for DataDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// `server_command` without `--in-memory`: the embedded default (application
 /// `taskstream`, store `counts` on 8 partitions) on `--data-dir DIR`.
 fn server_command_on_data_dir(dir: &Path) -> Command {
@@ -522,7 +501,7 @@ fn garbage(len: usize) -> Vec<u8> {
 
 /// Writes garbage at `file` inside a fresh data dir, runs the server on the
 /// dir and expects exit 2 with the file named on stderr and left as it was.
-fn expect_refused_data_file(dir: &DataDir, file: &Path, case: &str) {
+fn expect_refused_data_file(dir: &TempDir, file: &Path, case: &str) {
     std::fs::create_dir_all(file.parent().expect("a parent")).expect("create the file's directory");
     let bytes = garbage(16 * 1024);
     std::fs::write(file, &bytes).expect("write the garbage file");
@@ -545,7 +524,7 @@ fn expect_refused_data_file(dir: &DataDir, file: &Path, case: &str) {
 
 #[test]
 fn a_garbage_log_file_exits_2_naming_it_and_is_left_untouched() {
-    let dir = DataDir::new("garbage-log");
+    let dir = TempDir::new("garbage-log");
     let log = dir.0.join("log.redb");
     expect_refused_data_file(&dir, &log, "garbage log.redb");
     // Refused before anything else was set up.
@@ -557,7 +536,7 @@ fn a_garbage_log_file_exits_2_naming_it_and_is_left_untouched() {
 
 #[test]
 fn a_garbage_store_file_exits_2_naming_it_and_is_left_untouched() {
-    let dir = DataDir::new("garbage-store");
+    let dir = TempDir::new("garbage-store");
     // stores/<application_id>/<pipeline>_<partition>.redb; the partitions before it open fine.
     let store = dir.0.join("stores").join("taskstream").join("counts_5.redb");
     expect_refused_data_file(&dir, &store, "garbage stores/taskstream/counts_5.redb");

@@ -11,10 +11,10 @@
 mod common;
 
 use bytes::Bytes;
-use common::server_binary;
+use common::{TempDir, server_binary};
 use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -125,27 +125,6 @@ impl Rng {
     /// Uniform in `low..high`.
     fn range(&mut self, low: u64, high: u64) -> u64 {
         low + self.next() % (high - low)
-    }
-}
-
-/// A fresh directory under the temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        let path = std::env::temp_dir().join(format!("taskstream-{name}-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&path).expect("create the temp dir");
-        TempDir(path)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

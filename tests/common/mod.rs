@@ -225,3 +225,26 @@ pub fn server_binary() -> &'static Path {
         binary
     })
 }
+
+/// A fresh directory under the temp dir, removed on drop.
+#[allow(dead_code)]
+pub struct TempDir(pub PathBuf);
+
+#[allow(dead_code)]
+impl TempDir {
+    pub fn new(name: &str) -> TempDir {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let path = std::env::temp_dir().join(format!("taskstream-{name}-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&path).expect("create the temp dir");
+        TempDir(path)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
