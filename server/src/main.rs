@@ -4,14 +4,14 @@
 //! or SIGTERM. An invalid configuration exits with code 2.
 
 use anyhow::Context as _;
-use clap::Parser;
+use clap::{CommandFactory as _, FromArgMatches as _, Parser};
 use std::io::{IsTerminal as _, Write as _};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use taskstream_server::config::parse_host_port;
+use taskstream_server::config::{SETTINGS, parse_host_port};
 use taskstream_server::service;
-use taskstream_server::{CommitMode, Config, ConfigError, ProcessingOrder, RuntimeError, StreamsApp};
+use taskstream_server::{CommitMode, Config, ConfigError, RuntimeError, StreamsApp};
 use tokio::net::TcpListener;
 use tokio::signal::unix::{SignalKind, signal};
 use tracing_subscriber::EnvFilter;
@@ -25,7 +25,13 @@ const EXIT_INVALID_CONFIG: u8 = 2;
 /// Settings come from the embedded default (or --config FILE), then the
 /// TASKSTREAM_* environment, then these flags; later sources win.
 #[derive(Debug, Parser)]
-#[command(name = "taskstream-server", version)]
+#[command(
+    name = "taskstream-server",
+    version,
+    after_help = "Every setting of the TOML file also has an environment variable: TASKSTREAM_ and its \
+                  name in capitals (TASKSTREAM_RETRY_MAX_ATTEMPTS=5). The flags above that are settings \
+                  have one too."
+)]
 struct Cli {
     /// Address to serve gRPC on (host:port; port 0 picks a free port).
     #[arg(
@@ -41,53 +47,8 @@ struct Cli {
     #[arg(long, env = "TASKSTREAM_CONFIG", value_name = "FILE")]
     config: Option<PathBuf>,
 
-    #[arg(long, env = "TASKSTREAM_APPLICATION_ID", value_name = "ID")]
-    application_id: Option<String>,
-
-    /// host:port this instance advertises in metadata (default: the bound listen address).
-    #[arg(long, env = "TASKSTREAM_APPLICATION_SERVER", value_name = "HOST:PORT")]
-    application_server: Option<String>,
-
-    /// N: stream threads.
-    #[arg(long, env = "TASKSTREAM_NUM_STREAM_THREADS", value_name = "N")]
-    num_stream_threads: Option<usize>,
-
-    /// T: at most this many threads work on one task at once.
-    #[arg(long, env = "TASKSTREAM_NUM_THREADS_PER_TASK", value_name = "T")]
-    num_threads_per_task: Option<usize>,
-
-    /// offset | key | unordered.
-    #[arg(long, env = "TASKSTREAM_PROCESSING_ORDER", value_name = "ORDER", value_parser = parse_processing_order)]
-    processing_order: Option<ProcessingOrder>,
-
-    #[arg(long, env = "TASKSTREAM_COMMIT_INTERVAL_MS", value_name = "MS")]
-    commit_interval_ms: Option<u64>,
-
-    /// sync | async.
-    #[arg(long, env = "TASKSTREAM_COMMIT_MODE", value_name = "MODE", value_parser = parse_commit_mode)]
-    commit_mode: Option<CommitMode>,
-
-    /// Largest work range one thread takes at once.
-    #[arg(long, env = "TASKSTREAM_MAX_BATCH_RECORDS", value_name = "N")]
-    max_batch_records: Option<usize>,
-
-    /// Per task: records fetched and not yet released.
-    #[arg(long, env = "TASKSTREAM_MAX_IN_FLIGHT_RECORDS", value_name = "N")]
-    max_in_flight_records: Option<usize>,
-
-    /// Directory of the persistent log and state stores (created if missing).
-    /// Default for the embedded default: ./taskstream-data; with --config, the
-    /// file's `data_dir` (none: in memory).
-    #[arg(
-        long,
-        env = "TASKSTREAM_DATA_DIR",
-        value_name = "DIR",
-        conflicts_with = "in_memory"
-    )]
-    data_dir: Option<PathBuf>,
-
     /// Keep the log and stores in memory only: everything is lost on exit.
-    #[arg(long, env = "TASKSTREAM_IN_MEMORY")]
+    #[arg(long, env = "TASKSTREAM_IN_MEMORY", conflicts_with = "data_dir")]
     in_memory: bool,
 
     /// Serve Prometheus metrics over HTTP on this address (host:port; port 0
@@ -96,20 +57,25 @@ struct Cli {
     metrics_listen: Option<String>,
 }
 
+/// The binary's flags: `Cli` plus one flag per setting of `config::SETTINGS`
+/// that has one. Their values are read as text and parsed by the table, like
+/// the environment, so both accept exactly what the TOML file accepts.
+fn command() -> clap::Command {
+    SETTINGS
+        .iter()
+        .fold(Cli::command(), |command, setting| match setting.flag {
+            Some(flag) => command.arg(
+                clap::Arg::new(setting.name)
+                    .long(flag)
+                    .value_name(setting.value_name)
+                    .help(format!("{} [env: {}]", setting.help, setting.env_var())),
+            ),
+            None => command,
+        })
+}
+
 /// Where the embedded default keeps its data, under the working directory.
 const DEFAULT_DATA_DIR: &str = "taskstream-data";
-
-fn parse_processing_order(text: &str) -> Result<ProcessingOrder, String> {
-    ProcessingOrder::parse(text).ok_or_else(|| "expected one of: offset, key, unordered".to_string())
-}
-
-fn parse_commit_mode(text: &str) -> Result<CommitMode, String> {
-    match text {
-        "sync" => Ok(CommitMode::Sync),
-        "async" => Ok(CommitMode::Async),
-        _ => Err("expected one of: sync, async".to_string()),
-    }
-}
 
 /// The configuration to run, and whether `application_server` was chosen by
 /// the user (otherwise it becomes the bound listen address).
@@ -119,8 +85,8 @@ struct Settings {
     source: String,
 }
 
-fn load_settings(cli: &Cli) -> Result<Settings, ConfigError> {
-    let (mut config, mut application_server_set, source) = match &cli.config {
+fn load_settings(cli: &Cli, flags: &clap::ArgMatches) -> Result<Settings, ConfigError> {
+    let (mut config, set_in_file, source) = match &cli.config {
         None => {
             let mut config = Config::embedded_default();
             config.data_dir = Some(PathBuf::from(DEFAULT_DATA_DIR));
@@ -140,37 +106,21 @@ fn load_settings(cli: &Cli) -> Result<Settings, ConfigError> {
             (config, set_in_file, path.display().to_string())
         }
     };
-    // Environment values arrive through clap (`env = …`), so flags win over them.
-    if let Some(value) = &cli.application_id {
-        config.application_id = value.clone();
-    }
-    if let Some(value) = &cli.application_server {
-        config.application_server = value.clone();
-        application_server_set = true;
-    }
-    if let Some(value) = cli.num_stream_threads {
-        config.num_stream_threads = value;
-    }
-    if let Some(value) = cli.num_threads_per_task {
-        config.num_threads_per_task = value;
-    }
-    if let Some(value) = cli.processing_order {
-        config.processing_order = value;
-    }
-    if let Some(value) = cli.commit_interval_ms {
-        config.commit_interval_ms = value;
-    }
-    if let Some(value) = cli.commit_mode {
-        config.commit_mode = value;
-    }
-    if let Some(value) = cli.max_batch_records {
-        config.max_batch_records = value;
-    }
-    if let Some(value) = cli.max_in_flight_records {
-        config.max_in_flight_records = value;
-    }
-    if let Some(value) = &cli.data_dir {
-        config.data_dir = Some(value.clone());
+    let server_var = SETTINGS
+        .iter()
+        .find(|s| s.name == "application_server")
+        .map(|s| s.env_var());
+    let application_server_set = set_in_file
+        || server_var.is_some_and(|var| std::env::var_os(var).is_some_and(|v| !v.is_empty()))
+        || flags.contains_id("application_server");
+    config.apply_env(|var| std::env::var(var).ok())?;
+    for setting in SETTINGS {
+        // Only settings with a flag have an argument to ask about.
+        if let Some(flag) = setting.flag
+            && let Some(text) = flags.get_one::<String>(setting.name)
+        {
+            setting.apply(&mut config, text, &format!("--{flag}"))?;
+        }
     }
     if cli.in_memory {
         config.data_dir = None;
@@ -193,8 +143,9 @@ fn load_settings(cli: &Cli) -> Result<Settings, ConfigError> {
 }
 
 fn main() -> ExitCode {
-    // Bad flags or environment values: clap prints the error and exits with 2.
-    let cli = Cli::parse();
+    // Bad flags: clap prints the error and exits with 2.
+    let flags = command().get_matches();
+    let cli = Cli::from_arg_matches(&flags).unwrap_or_else(|e| e.exit());
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         // Colour codes only for a person at a terminal, not in captured logs.
@@ -202,7 +153,7 @@ fn main() -> ExitCode {
         .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
         .init();
 
-    let settings = match load_settings(&cli) {
+    let settings = match load_settings(&cli, &flags) {
         Ok(settings) => settings,
         Err(error) => {
             eprintln!("error: {error}");

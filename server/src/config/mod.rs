@@ -8,8 +8,7 @@ use std::fmt;
 use std::path::PathBuf;
 
 /// How the records of one task are ordered while several threads process it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum ProcessingOrder {
     /// Results delivered and committed in offset order.
     #[default]
@@ -22,21 +21,12 @@ pub enum ProcessingOrder {
 
 impl ProcessingOrder {
     pub fn as_str(self) -> &'static str {
-        match self {
-            ProcessingOrder::Offset => "offset",
-            ProcessingOrder::Key => "key",
-            ProcessingOrder::Unordered => "unordered",
-        }
+        choice_name(self)
     }
 
     /// Parses the config spelling (`offset`, `key`, `unordered`).
     pub fn parse(text: &str) -> Option<Self> {
-        match text {
-            "offset" => Some(ProcessingOrder::Offset),
-            "key" => Some(ProcessingOrder::Key),
-            "unordered" => Some(ProcessingOrder::Unordered),
-            _ => None,
-        }
+        parse_choice(text).ok()
     }
 }
 
@@ -48,8 +38,7 @@ impl fmt::Display for ProcessingOrder {
 
 /// Whether a commit blocks the committing thread (`sync`) or is handed to a
 /// committer that applies commits in order and reports each to a callback.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CommitMode {
     #[default]
     Sync,
@@ -57,8 +46,7 @@ pub enum CommitMode {
 }
 
 /// What happens to a stream subscriber too slow for its bounded buffer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SlowSubscriberPolicy {
     /// Tell it in-band how many batches it missed and go on.
     #[default]
@@ -68,8 +56,7 @@ pub enum SlowSubscriberPolicy {
 }
 
 /// Where a pipeline keeps its state store.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreKind {
     /// In memory; rebuilt at start by reprocessing the retained log up to the
     /// committed watermark.
@@ -81,16 +68,12 @@ pub enum StoreKind {
 
 impl StoreKind {
     pub fn as_str(self) -> &'static str {
-        match self {
-            StoreKind::Memory => "memory",
-            StoreKind::Persistent => "persistent",
-        }
+        choice_name(self)
     }
 }
 
 /// What happens to a record whose processor fails.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum RetryPolicy {
     /// The record goes to the pipeline's retry topic and the task moves on;
     /// reserve threads retry it with backoff, then dead-letter it.
@@ -103,25 +86,144 @@ pub enum RetryPolicy {
 
 impl RetryPolicy {
     pub fn as_str(self) -> &'static str {
-        match self {
-            RetryPolicy::RetryTopic => "retry_topic",
-            RetryPolicy::Blocking => "blocking",
-        }
+        choice_name(self)
     }
 }
 
+/// A setting whose value is one of a few names. The names are listed once,
+/// here, and serve TOML, environment variables and flags alike, so an error
+/// can always say which values are accepted.
+trait Choice: Copy + PartialEq + 'static {
+    const CHOICES: &'static [(&'static str, Self)];
+}
+
+impl Choice for ProcessingOrder {
+    const CHOICES: &'static [(&'static str, Self)] = &[
+        ("offset", ProcessingOrder::Offset),
+        ("key", ProcessingOrder::Key),
+        ("unordered", ProcessingOrder::Unordered),
+    ];
+}
+
+impl Choice for CommitMode {
+    const CHOICES: &'static [(&'static str, Self)] =
+        &[("sync", CommitMode::Sync), ("async", CommitMode::Async)];
+}
+
+impl Choice for SlowSubscriberPolicy {
+    const CHOICES: &'static [(&'static str, Self)] = &[
+        ("notify", SlowSubscriberPolicy::Notify),
+        ("fail", SlowSubscriberPolicy::Fail),
+    ];
+}
+
+impl Choice for StoreKind {
+    const CHOICES: &'static [(&'static str, Self)] = &[
+        ("memory", StoreKind::Memory),
+        ("persistent", StoreKind::Persistent),
+    ];
+}
+
+impl Choice for RetryPolicy {
+    const CHOICES: &'static [(&'static str, Self)] = &[
+        ("retry_topic", RetryPolicy::RetryTopic),
+        ("blocking", RetryPolicy::Blocking),
+    ];
+}
+
+fn choice_name<T: Choice>(value: T) -> &'static str {
+    T::CHOICES
+        .iter()
+        .find(|(_, choice)| *choice == value)
+        .map_or("?", |(name, _)| name)
+}
+
+fn parse_choice<T: Choice>(text: &str) -> Result<T, String> {
+    T::CHOICES
+        .iter()
+        .find(|(name, _)| *name == text)
+        .map(|(_, choice)| *choice)
+        .ok_or_else(|| {
+            let names: Vec<&str> = T::CHOICES.iter().map(|(name, _)| *name).collect();
+            format!("`{text}` is not one of the accepted values: {}", names.join(", "))
+        })
+}
+
+macro_rules! deserialize_choice {
+    ($($ty:ty),*) => {$(
+        impl<'de> Deserialize<'de> for $ty {
+            fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                let text = String::deserialize(deserializer)?;
+                parse_choice(&text).map_err(serde::de::Error::custom)
+            }
+        }
+    )*};
+}
+
+deserialize_choice!(
+    ProcessingOrder,
+    CommitMode,
+    SlowSubscriberPolicy,
+    StoreKind,
+    RetryPolicy
+);
+
 /// Latency of the `simulate` processor: a fixed number of milliseconds, or a
 /// `[low, high]` range drawn uniformly per record.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum LatencySpec {
     Fixed(f64),
     Uniform([f64; 2]),
 }
 
+impl<'de> Deserialize<'de> for LatencySpec {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = LatencySpec;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("milliseconds as a number (e.g. 2) or a [low, high] range (e.g. [0, 5])")
+            }
+            fn visit_f64<E: serde::de::Error>(self, ms: f64) -> Result<LatencySpec, E> {
+                Ok(LatencySpec::Fixed(ms))
+            }
+            fn visit_i64<E: serde::de::Error>(self, ms: i64) -> Result<LatencySpec, E> {
+                Ok(LatencySpec::Fixed(ms as f64))
+            }
+            fn visit_u64<E: serde::de::Error>(self, ms: u64) -> Result<LatencySpec, E> {
+                Ok(LatencySpec::Fixed(ms as f64))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<LatencySpec, A::Error> {
+                let mut bounds = Vec::with_capacity(2);
+                while let Some(bound) = seq.next_element::<Millis>()? {
+                    bounds.push(bound.0);
+                }
+                match bounds[..] {
+                    [low, high] => Ok(LatencySpec::Uniform([low, high])),
+                    _ => Err(serde::de::Error::invalid_length(bounds.len(), &self)),
+                }
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
+/// One bound of a latency range: any TOML number.
+struct Millis(f64);
+
+impl<'de> Deserialize<'de> for Millis {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        match LatencySpec::deserialize(deserializer)? {
+            LatencySpec::Fixed(ms) => Ok(Millis(ms)),
+            LatencySpec::Uniform(_) => Err(serde::de::Error::custom(
+                "a range bound must be a number of milliseconds, not a list",
+            )),
+        }
+    }
+}
+
 /// Which processor a pipeline runs, with its parameters.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum ProcessorSpec {
     /// Count of records per key (stored as decimal text).
     Count,
@@ -131,19 +233,14 @@ pub enum ProcessorSpec {
     Latest,
     /// Synthetic work for tests and benchmarks; counts per key like `count`.
     Simulate {
-        #[serde(default)]
         latency_ms: Option<LatencySpec>,
         /// Microseconds of hashing per record (busy CPU work).
-        #[serde(default)]
         cpu_work_us: u64,
         /// Fraction of records (0.0–1.0, chosen by offset) whose processing fails.
-        #[serde(default)]
         failure_rate: f64,
         /// A failing record fails this many attempts, then succeeds (0 = always fails).
-        #[serde(default)]
         fail_attempts: u32,
         /// Seed of the per-record draws, so runs are reproducible.
-        #[serde(default)]
         seed: u64,
     },
     /// A processor registered in code with `AppBuilder::processor(name, …)`.
@@ -151,6 +248,26 @@ pub enum ProcessorSpec {
 }
 
 impl ProcessorSpec {
+    /// The processor a bare name means: a built-in (with default parameters)
+    /// or one registered in code.
+    pub fn named(name: &str) -> ProcessorSpec {
+        match name {
+            "count" => ProcessorSpec::Count,
+            "sum" => ProcessorSpec::Sum,
+            "latest" => ProcessorSpec::Latest,
+            "simulate" => ProcessorSpec::Simulate {
+                latency_ms: None,
+                cpu_work_us: 0,
+                failure_rate: 0.0,
+                fail_attempts: 0,
+                seed: 0,
+            },
+            _ => ProcessorSpec::Custom {
+                name: name.to_string(),
+            },
+        }
+    }
+
     pub fn name(&self) -> &str {
         match self {
             ProcessorSpec::Count => "count",
@@ -163,32 +280,93 @@ impl ProcessorSpec {
 }
 
 /// A processor is written either as a bare name (`processor = "count"`) or as
-/// a table with `type` and parameters.
+/// a table with `type` and parameters. The table is read field by field from
+/// the document (not buffered), so an error points at the field it is about.
 fn deserialize_processor<'de, D>(deserializer: D) -> Result<ProcessorSpec, D::Error>
 where
     D: serde::Deserializer<'de>,
 {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Field {
-        Name(String),
-        Table(toml::Table),
+    struct Visitor;
+    impl<'de> serde::de::Visitor<'de> for Visitor {
+        type Value = ProcessorSpec;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(
+                "a processor name (count, sum, latest, simulate, or one registered in code) \
+                 or a table with `type` and its parameters",
+            )
+        }
+        fn visit_str<E: serde::de::Error>(self, name: &str) -> Result<ProcessorSpec, E> {
+            Ok(ProcessorSpec::named(name))
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<ProcessorSpec, A::Error> {
+            let table = ProcessorTable::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+            table.into_spec().map_err(serde::de::Error::custom)
+        }
     }
-    match Field::deserialize(deserializer)? {
-        Field::Name(name) => match name.as_str() {
-            "count" => Ok(ProcessorSpec::Count),
-            "sum" => Ok(ProcessorSpec::Sum),
-            "latest" => Ok(ProcessorSpec::Latest),
-            "simulate" => Ok(ProcessorSpec::Simulate {
-                latency_ms: None,
-                cpu_work_us: 0,
-                failure_rate: 0.0,
-                fail_attempts: 0,
-                seed: 0,
-            }),
-            _ => Ok(ProcessorSpec::Custom { name }),
-        },
-        Field::Table(table) => ProcessorSpec::deserialize(table).map_err(serde::de::Error::custom),
+    deserializer.deserialize_any(Visitor)
+}
+
+/// The table form of a processor, before its parameters are checked against its type.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ProcessorTable {
+    #[serde(rename = "type")]
+    kind: String,
+    name: Option<String>,
+    latency_ms: Option<LatencySpec>,
+    cpu_work_us: Option<u64>,
+    failure_rate: Option<f64>,
+    fail_attempts: Option<u32>,
+    seed: Option<u64>,
+}
+
+impl ProcessorTable {
+    fn into_spec(self) -> Result<ProcessorSpec, String> {
+        let simulate_params = [
+            ("latency_ms", self.latency_ms.is_some()),
+            ("cpu_work_us", self.cpu_work_us.is_some()),
+            ("failure_rate", self.failure_rate.is_some()),
+            ("fail_attempts", self.fail_attempts.is_some()),
+            ("seed", self.seed.is_some()),
+        ];
+        let stray = |allowed: &[&str]| {
+            let name = ("name", self.name.is_some());
+            simulate_params
+                .iter()
+                .chain(std::iter::once(&name))
+                .find(|(param, given)| *given && !allowed.contains(param))
+                .map(|(param, _)| format!("`{param}` does not apply to type = \"{}\"; remove it", self.kind))
+        };
+        match self.kind.as_str() {
+            "simulate" => match stray(&[
+                "latency_ms",
+                "cpu_work_us",
+                "failure_rate",
+                "fail_attempts",
+                "seed",
+            ]) {
+                Some(message) => Err(message),
+                None => Ok(ProcessorSpec::Simulate {
+                    latency_ms: self.latency_ms,
+                    cpu_work_us: self.cpu_work_us.unwrap_or(0),
+                    failure_rate: self.failure_rate.unwrap_or(0.0),
+                    fail_attempts: self.fail_attempts.unwrap_or(0),
+                    seed: self.seed.unwrap_or(0),
+                }),
+            },
+            "custom" => match (stray(&["name"]), self.name) {
+                (Some(message), _) => Err(message),
+                (None, Some(name)) => Ok(ProcessorSpec::Custom { name }),
+                (None, None) => Err("type = \"custom\" needs `name`, the name it was registered with".into()),
+            },
+            "count" | "sum" | "latest" => match stray(&[]) {
+                Some(message) => Err(message),
+                None => Ok(ProcessorSpec::named(&self.kind)),
+            },
+            other => Err(format!(
+                "type `{other}` is not one of the accepted values: count, sum, latest, simulate, custom"
+            )),
+        }
     }
 }
 
@@ -302,6 +480,208 @@ impl Default for Config {
     }
 }
 
+/// One scalar setting of [`Config`], as the environment and flags see it. Its
+/// TOML key is `name`; its environment variable, `TASKSTREAM_<NAME>`, is
+/// derived from the name (see [`Setting::env_var`]), so the two cannot drift.
+/// To add a setting: add the field to `Config` and one line to [`SETTINGS`]
+/// (a unit test fails until every scalar field has its line).
+pub struct Setting {
+    /// The TOML key, which is also the field of `Config`.
+    pub name: &'static str,
+    /// The binary's flag (`--num-stream-threads`), if the setting has one.
+    pub flag: Option<&'static str>,
+    /// Placeholder of the value in `--help`.
+    pub value_name: &'static str,
+    /// One line for `--help`.
+    pub help: &'static str,
+    apply: fn(&mut Config, &str) -> Result<(), String>,
+}
+
+impl Setting {
+    /// `TASKSTREAM_` and the setting's name in capitals.
+    pub fn env_var(&self) -> String {
+        format!("TASKSTREAM_{}", self.name.to_ascii_uppercase())
+    }
+
+    /// Sets the setting from text (an environment variable or a flag), parsed
+    /// as its TOML value would be; `source` names where the text came from.
+    pub fn apply(&self, config: &mut Config, text: &str, source: &str) -> Result<(), ConfigError> {
+        (self.apply)(config, text)
+            .map_err(|message| ConfigError::new(self.name, format!("{message} (from {source})")))
+    }
+}
+
+/// A `Setting` for field `$field`, read from text by `$parse`.
+macro_rules! setting {
+    ($field:ident, $flag:expr, $value_name:literal, $parse:expr, $help:literal) => {
+        Setting {
+            name: stringify!($field),
+            flag: $flag,
+            value_name: $value_name,
+            help: $help,
+            apply: |config, text| {
+                config.$field = $parse(text)?;
+                Ok(())
+            },
+        }
+    };
+}
+
+/// Every scalar setting, in the order of the README's table. `topics` and
+/// `pipelines` are tables and come only from TOML.
+pub const SETTINGS: &[Setting] = &[
+    setting!(
+        application_id,
+        Some("application-id"),
+        "ID",
+        parse_text,
+        "Consumer group and name prefix."
+    ),
+    setting!(
+        application_server,
+        Some("application-server"),
+        "HOST:PORT",
+        parse_text,
+        "host:port this instance advertises in metadata (default: the bound listen address)."
+    ),
+    setting!(
+        num_stream_threads,
+        Some("num-stream-threads"),
+        "N",
+        parse_number,
+        "N: stream threads."
+    ),
+    setting!(
+        num_threads_per_task,
+        Some("num-threads-per-task"),
+        "T",
+        parse_number,
+        "T: at most this many threads work on one task at once."
+    ),
+    setting!(
+        processing_order,
+        Some("processing-order"),
+        "ORDER",
+        parse_choice,
+        "offset | key | unordered."
+    ),
+    setting!(
+        commit_interval_ms,
+        Some("commit-interval-ms"),
+        "MS",
+        parse_number,
+        "How often watermarks are committed."
+    ),
+    setting!(
+        commit_mode,
+        Some("commit-mode"),
+        "MODE",
+        parse_choice,
+        "sync | async."
+    ),
+    setting!(
+        max_batch_records,
+        Some("max-batch-records"),
+        "N",
+        parse_number,
+        "Largest work range one thread takes at once."
+    ),
+    setting!(
+        max_in_flight_records,
+        Some("max-in-flight-records"),
+        "N",
+        parse_number,
+        "Per task: records fetched and not yet released."
+    ),
+    setting!(
+        outcome_retention_records,
+        None,
+        "N",
+        parse_number,
+        "Per task: record outcomes kept for streams that start in the past."
+    ),
+    setting!(
+        subscriber_buffer_batches,
+        None,
+        "N",
+        parse_number,
+        "Per stream subscriber: batches buffered before it lags."
+    ),
+    setting!(slow_subscriber, None, "POLICY", parse_choice, "notify | fail."),
+    setting!(
+        data_dir,
+        Some("data-dir"),
+        "DIR",
+        parse_dir,
+        "Directory of the persistent log and state stores (created if missing); the binary's embedded \
+         default uses ./taskstream-data, a --config file its own `data_dir` (none: in memory)."
+    ),
+    setting!(
+        retry_policy,
+        None,
+        "POLICY",
+        parse_choice,
+        "retry_topic | blocking."
+    ),
+    setting!(
+        retry_max_attempts,
+        None,
+        "N",
+        parse_number,
+        "Attempts, the first included, before the dead-letter topic."
+    ),
+    setting!(
+        retry_backoff_ms,
+        None,
+        "MS",
+        parse_number,
+        "First backoff before a retry; doubles per attempt."
+    ),
+    setting!(
+        retry_backoff_max_ms,
+        None,
+        "MS",
+        parse_number,
+        "Cap of the retry backoff."
+    ),
+    setting!(
+        processing_timeout_ms,
+        None,
+        "MS",
+        parse_number,
+        "A processor call longer than this fails its record (0 = no limit)."
+    ),
+];
+
+fn parse_text(text: &str) -> Result<String, String> {
+    Ok(text.to_string())
+}
+
+fn parse_number<T: std::str::FromStr>(text: &str) -> Result<T, String> {
+    text.trim()
+        .parse()
+        .map_err(|_| format!("`{text}` is not a whole number of 0 or more (or it is too large)"))
+}
+
+fn parse_dir(text: &str) -> Result<Option<PathBuf>, String> {
+    Ok(Some(PathBuf::from(text)))
+}
+
+impl Config {
+    /// Applies every `TASKSTREAM_<SETTING>` that `var` finds (an empty value
+    /// counts as unset). Other `TASKSTREAM_*` names are left alone: they may
+    /// belong to the CLI (`TASKSTREAM_ADDR`) or the binary (`TASKSTREAM_LISTEN`).
+    pub fn apply_env(&mut self, var: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
+        for setting in SETTINGS {
+            let name = setting.env_var();
+            if let Some(text) = var(&name).filter(|text| !text.is_empty()) {
+                setting.apply(self, &text, &name)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A rejected setting: which one, and what is wrong with it and how to fix it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid setting `{setting}`: {message}")]
@@ -367,17 +747,17 @@ impl Config {
         }
     }
 
-    /// Parses TOML; unknown keys and wrong types are errors naming the key.
+    /// Parses TOML; an unknown key or a bad value is an error naming the
+    /// setting's path (`pipelines[0].processor.latency_ms`) and what it accepts.
     pub fn from_toml_str(text: &str) -> Result<Config, ConfigError> {
         toml::from_str(text).map_err(|e| {
-            let message = e.message().to_string();
-            let setting = e
-                .span()
-                .and_then(|span| text.get(span))
-                .map(|s| s.trim().to_string())
-                .filter(|s| !s.is_empty() && s.len() < 80)
-                .unwrap_or_else(|| "config file".to_string());
-            ConfigError::new(setting, message)
+            let path = e.span().and_then(|span| toml_path_at(text, &span));
+            let message = plain_expectation(e.message());
+            match path {
+                Some(path) => ConfigError::new(path, message),
+                // A syntax error: no setting to name, so say where it is.
+                None => ConfigError::new("config file", e.to_string().trim_end().replace('\n', " ")),
+            }
         })
     }
 
@@ -617,6 +997,68 @@ impl Config {
     }
 }
 
+/// The path (`pipelines[1].processor.latency_ms`) of the innermost key or
+/// value of the document that contains `span`, the span of a TOML error.
+fn toml_path_at(text: &str, span: &std::ops::Range<usize>) -> Option<String> {
+    let document = toml::de::DeTable::parse(text).ok()?;
+    path_in_table(document.get_ref(), span)
+}
+
+/// Children first: the span of an array of tables (`[[pipelines]]`) covers
+/// only its header, so a container's span says nothing about its contents.
+fn path_in_table(table: &toml::de::DeTable<'_>, span: &std::ops::Range<usize>) -> Option<String> {
+    table.iter().find_map(|(key, value)| {
+        let name = key.get_ref();
+        if let Some(inner) = path_in_value(value.get_ref(), span) {
+            let separator = if inner.starts_with('[') { "" } else { "." };
+            return Some(format!("{name}{separator}{inner}"));
+        }
+        (contains(key.span(), span) || contains(value.span(), span)).then(|| name.to_string())
+    })
+}
+
+fn path_in_value(value: &toml::de::DeValue<'_>, span: &std::ops::Range<usize>) -> Option<String> {
+    match value {
+        toml::de::DeValue::Table(table) => path_in_table(table, span),
+        toml::de::DeValue::Array(items) => {
+            items
+                .iter()
+                .enumerate()
+                .find_map(|(i, item)| match path_in_value(item.get_ref(), span) {
+                    Some(inner) if inner.starts_with('[') => Some(format!("[{i}]{inner}")),
+                    Some(inner) => Some(format!("[{i}].{inner}")),
+                    None => contains(item.span(), span).then(|| format!("[{i}]")),
+                })
+        }
+        _ => None,
+    }
+}
+
+fn contains(outer: std::ops::Range<usize>, inner: &std::ops::Range<usize>) -> bool {
+    outer.start <= inner.start && inner.end <= outer.end
+}
+
+/// serde names the Rust type it wanted (`expected u64`); a user wants the kind of value.
+fn plain_expectation(message: &str) -> String {
+    const PLAIN: [(&str, &str); 7] = [
+        ("expected usize", "expected a whole number of 0 or more"),
+        ("expected u64", "expected a whole number of 0 or more"),
+        ("expected u32", "expected a whole number of 0 or more"),
+        ("expected u16", "expected a whole number of 0 or more"),
+        ("expected i64", "expected a whole number"),
+        ("expected f64", "expected a number"),
+        ("expected path string", "expected a path"),
+    ];
+    let message = PLAIN.iter().fold(message.to_string(), |message, (rust, plain)| {
+        message.replace(rust, plain)
+    });
+    // `expected struct PipelineConfig`: the type's name means nothing in a config file.
+    match message.find("expected struct ") {
+        Some(at) => format!("{}expected a table", &message[..at]),
+        None => message,
+    }
+}
+
 fn check_threads_per_task(setting: &str, value: usize) -> Result<(), ConfigError> {
     if value == 0 {
         return Err(ConfigError::new(setting, "must be at least 1"));
@@ -793,10 +1235,222 @@ mod tests {
         assert_eq!(effective.order, ProcessingOrder::Offset);
     }
 
+    /// Field names of a struct, as serde's derive lists them.
+    fn serde_fields<'de, T: Deserialize<'de>>() -> &'static [&'static str] {
+        struct Capture(&'static [&'static str]);
+        impl<'de> serde::Deserializer<'de> for &mut Capture {
+            type Error = serde::de::value::Error;
+            fn deserialize_any<V: serde::de::Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
+                Err(serde::de::Error::custom("not a struct"))
+            }
+            fn deserialize_struct<V: serde::de::Visitor<'de>>(
+                self,
+                _: &'static str,
+                fields: &'static [&'static str],
+                _: V,
+            ) -> Result<V::Value, Self::Error> {
+                self.0 = fields;
+                Err(serde::de::Error::custom("captured"))
+            }
+            serde::forward_to_deserialize_any! {
+                bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes byte_buf
+                option unit unit_struct newtype_struct seq tuple tuple_struct map enum identifier ignored_any
+            }
+        }
+        let mut capture = Capture(&[]);
+        let _ = T::deserialize(&mut capture);
+        capture.0
+    }
+
+    #[test]
+    fn every_scalar_setting_has_one_table_entry_and_env_variable() {
+        let fields = serde_fields::<Config>();
+        assert!(fields.contains(&"retry_max_attempts"), "{fields:?}");
+        let scalar: Vec<&str> = fields
+            .iter()
+            .copied()
+            .filter(|f| !matches!(*f, "topics" | "pipelines"))
+            .collect();
+        let table: Vec<&str> = SETTINGS.iter().map(|s| s.name).collect();
+        assert_eq!(
+            table, scalar,
+            "SETTINGS must list every scalar field of Config, in order"
+        );
+        for setting in SETTINGS {
+            assert_eq!(
+                setting.env_var(),
+                format!("TASKSTREAM_{}", setting.name.to_uppercase())
+            );
+            if let Some(flag) = setting.flag {
+                assert_eq!(flag, setting.name.replace('_', "-"));
+            }
+        }
+    }
+
+    /// The same text through TOML and through the environment gives the same config.
+    #[test]
+    fn env_values_parse_as_their_toml_values() {
+        let cases = [
+            ("retry_max_attempts", "7", "7"),
+            ("slow_subscriber", "fail", "\"fail\""),
+            ("retry_policy", "blocking", "\"blocking\""),
+            ("processing_timeout_ms", "0", "0"),
+            ("data_dir", "/tmp/x", "\"/tmp/x\""),
+            ("application_id", "app", "\"app\""),
+        ];
+        for (name, env_text, toml_text) in cases {
+            let from_toml = Config::from_toml_str(&format!("{name} = {toml_text}")).unwrap();
+            let mut from_env = Config::default();
+            let var = format!("TASKSTREAM_{}", name.to_uppercase());
+            from_env
+                .apply_env(|asked| (asked == var).then(|| env_text.to_string()))
+                .unwrap();
+            assert_eq!(from_env, from_toml, "{name}");
+            assert_ne!(from_env, Config::default(), "{name} must change something");
+        }
+    }
+
+    #[test]
+    fn env_errors_name_the_setting_and_the_variable() {
+        let mut config = Config::default();
+        let err = config
+            .apply_env(|var| (var == "TASKSTREAM_SLOW_SUBSCRIBER").then(|| "bogus".to_string()))
+            .unwrap_err();
+        assert_eq!(err.setting, "slow_subscriber");
+        assert!(err.message.contains("notify, fail"), "{err}");
+        assert!(err.message.contains("TASKSTREAM_SLOW_SUBSCRIBER"), "{err}");
+
+        let err = config
+            .apply_env(|var| (var == "TASKSTREAM_RETRY_BACKOFF_MS").then(|| "-5".to_string()))
+            .unwrap_err();
+        assert_eq!(err.setting, "retry_backoff_ms");
+
+        // Validation sees what the environment set, as it sees the file.
+        let mut config = Config::embedded_default();
+        config
+            .apply_env(|var| (var == "TASKSTREAM_RETRY_MAX_ATTEMPTS").then(|| "0".to_string()))
+            .unwrap();
+        assert_eq!(config.validate().unwrap_err().setting, "retry_max_attempts");
+
+        // Unknown TASKSTREAM_* names (the CLI's TASKSTREAM_ADDR) are not this table's business.
+        let mut config = Config::default();
+        config
+            .apply_env(|var| (var == "TASKSTREAM_ADDR").then(|| "http://x".to_string()))
+            .unwrap();
+        assert_eq!(config, Config::default());
+    }
+
+    /// What a user sees for a bad value: the setting's path and what it takes,
+    /// never a Rust type.
+    #[test]
+    fn toml_errors_name_the_path_and_accepted_values() {
+        const PIPELINE: &str = "[[pipelines]]\nname = \"p\"\nsource_topic = \"t\"\n";
+        let cases: [(String, &str, &[&str]); 10] = [
+            (
+                "slow_subscriber = \"bogus\"".into(),
+                "slow_subscriber",
+                &["`bogus`", "notify, fail"],
+            ),
+            (
+                "processing_order = \"sideways\"".into(),
+                "processing_order",
+                &["`sideways`", "offset, key, unordered"],
+            ),
+            (
+                "num_stream_threads = \"x\"".into(),
+                "num_stream_threads",
+                &["whole number"],
+            ),
+            (
+                "retry_max_attempts = -1".into(),
+                "retry_max_attempts",
+                &["whole number"],
+            ),
+            (
+                "num_stream_thread = 3".into(),
+                "num_stream_thread",
+                &["unknown field"],
+            ),
+            (
+                format!("{PIPELINE}processor = {{ type = \"simulate\", latency_ms = \"x\" }}"),
+                "pipelines[0].processor.latency_ms",
+                &["[low, high]"],
+            ),
+            (
+                format!("{PIPELINE}processor = \"count\"\nstore = \"disk\""),
+                "pipelines[0].store",
+                &["memory, persistent"],
+            ),
+            (
+                format!("{PIPELINE}processor = {{ type = \"magic\" }}"),
+                "pipelines[0].processor",
+                &["`magic`", "count, sum, latest, simulate, custom"],
+            ),
+            (
+                format!("{PIPELINE}processor = {{ type = \"count\", seed = 3 }}"),
+                "pipelines[0].processor",
+                &["`seed`"],
+            ),
+            (
+                "[[pipelines]]\nname = \"p\"\nprocessor = \"count\"".into(),
+                "pipelines[0]",
+                &["missing field `source_topic`"],
+            ),
+        ];
+        for (text, setting, needles) in cases {
+            let err = Config::from_toml_str(&text).unwrap_err();
+            assert_eq!(err.setting, setting, "{text}: {err}");
+            for needle in needles {
+                assert!(err.message.contains(needle), "{text}: {err} lacks {needle}");
+            }
+            for rust in [
+                "LatencySpec",
+                "ProcessorSpec",
+                "usize",
+                "u64",
+                "u32",
+                "f64",
+                "variant",
+                "struct",
+            ] {
+                assert!(!err.message.contains(rust), "{text}: {err} leaks `{rust}`");
+            }
+        }
+        let err = Config::from_toml_str("num_stream_threads = ").unwrap_err();
+        assert_eq!(err.setting, "config file");
+        assert!(err.message.contains("line 1"), "{err}");
+    }
+
+    #[test]
+    fn processor_tables_still_parse() {
+        let config = Config::from_toml_str(
+            "[[pipelines]]\nname = \"p\"\nsource_topic = \"t\"\n\
+             processor = { type = \"simulate\", latency_ms = 2, cpu_work_us = 5, failure_rate = 0.5, fail_attempts = 1, seed = 9 }\n\
+             [[pipelines]]\nname = \"q\"\nsource_topic = \"t\"\nprocessor = { type = \"custom\", name = \"mine\" }\n\
+             [[pipelines]]\nname = \"r\"\nsource_topic = \"t\"\nprocessor = { type = \"latest\" }\n",
+        )
+        .unwrap();
+        assert_eq!(
+            config.pipelines[0].processor,
+            ProcessorSpec::Simulate {
+                latency_ms: Some(LatencySpec::Fixed(2.0)),
+                cpu_work_us: 5,
+                failure_rate: 0.5,
+                fail_attempts: 1,
+                seed: 9
+            }
+        );
+        assert_eq!(
+            config.pipelines[1].processor,
+            ProcessorSpec::Custom { name: "mine".into() }
+        );
+        assert_eq!(config.pipelines[2].processor, ProcessorSpec::Latest);
+    }
+
     #[test]
     fn bad_values_name_their_setting() {
         let err = Config::from_toml_str("processing_order = \"sideways\"").unwrap_err();
-        assert!(err.message.contains("unknown variant"), "{err}");
+        assert!(err.message.contains("accepted values"), "{err}");
         let err = Config::from_toml_str("num_stream_thread = 3").unwrap_err();
         assert!(err.to_string().contains("num_stream_thread"), "{err}");
 
