@@ -251,9 +251,8 @@ mod tests {
 
     #[test]
     fn draws_a_png_with_text() {
-        let dir = std::env::temp_dir().join(format!("taskstream-bench-plot-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("t.png");
+        let dir = crate::workload::temp_dir("plot").unwrap();
+        let path = dir.path().join("t.png");
         let chart = Chart {
             title: "throughput ≥ target".into(),
             x_label: "threads per task (T)".into(),
@@ -267,6 +266,5 @@ mod tests {
         draw(&path, &chart).unwrap();
         let bytes = std::fs::read(&path).unwrap();
         assert_eq!(&bytes[1..4], b"PNG");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

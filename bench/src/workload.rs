@@ -4,7 +4,7 @@
 
 use anyhow::{Context as _, anyhow};
 use bytes::Bytes;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use taskstream_server::config::{LatencySpec, StoreKind};
@@ -248,28 +248,13 @@ fn rss_field(pid: Option<u32>, field: &str) -> Option<u64> {
         .map(|kb| kb * 1024)
 }
 
-/// A fresh directory under the system temp dir, removed on drop.
-pub struct TempDir(PathBuf);
+pub use taskstream_server::scratch::TempDir;
 
-impl TempDir {
-    pub fn new(name: &str) -> anyhow::Result<TempDir> {
-        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let path = std::env::temp_dir().join(format!("taskstream-bench-{name}-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).with_context(|| format!("create {}", path.display()))?;
-        Ok(TempDir(path))
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// A fresh directory `taskstream-bench-<name>-…` under the system temp dir,
+/// removed on drop.
+pub fn temp_dir(name: &str) -> anyhow::Result<TempDir> {
+    taskstream_server::scratch::scratch_dir(&format!("bench-{name}"))
+        .with_context(|| format!("create a temp dir for {name}"))
 }
 
 /// Bytes of every file under `dir` (0 when it is empty or missing).

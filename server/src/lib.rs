@@ -13,6 +13,7 @@
 //! - `runtime`: threads, tasks, scheduling, sequencer/watermark, commits, the
 //!   retry path (retry and dead-letter topics), store restore; `StreamsApp`.
 //! - `service`: gRPC handlers, a thin translation, and the one place errors become `Status`.
+//! - `scratch`: temporary directories for tests and the benchmark harness.
 //!
 //! The runtime knows nothing of gRPC and is usable as a library:
 //! build a [`Config`], start a [`StreamsApp`], produce, query, subscribe, shut down.
@@ -23,6 +24,7 @@ pub mod metadata;
 pub mod metrics;
 pub mod processor;
 pub mod runtime;
+pub mod scratch;
 pub mod service;
 pub mod store;
 

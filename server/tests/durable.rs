@@ -6,7 +6,7 @@
 
 use bytes::Bytes;
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -19,33 +19,8 @@ const TOPIC: &str = "in";
 const STORE: &str = "count";
 
 /// A fresh directory under the temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        let path = std::env::temp_dir().join(format!(
-            "taskstream-durable-{name}-{}-{}-{nanos}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&path);
-        TempDir(path)
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+fn temp_dir(name: &str) -> scratch::TempDir {
+    scratch::scratch_dir(&format!("durable-{name}")).expect("create a temp dir")
 }
 
 /// Topic `in` with `partitions`, pipeline and store `count` (`processor`,
@@ -148,7 +123,7 @@ fn task_metadata(app: &StreamsApp) -> BTreeMap<u32, TaskMetadata> {
 #[test]
 fn a_persistent_store_keeps_exact_counts_across_a_restart_and_resumes_after_its_watermark() {
     const PARTITIONS: u32 = 4;
-    let dir = TempDir::new("persistent-restart");
+    let dir = temp_dir("persistent-restart");
     let mut expected = BTreeMap::new();
 
     let app = StreamsApp::start(config(
@@ -265,7 +240,7 @@ fn gated_app(dir: &Path, gate: &Arc<GatedCount>) -> StreamsApp {
 #[test]
 fn a_memory_store_is_restored_to_the_same_values_and_answers_unavailable_while_restoring() {
     const PARTITIONS: u32 = 3;
-    let dir = TempDir::new("memory-restore");
+    let dir = temp_dir("memory-restore");
     let mut expected = BTreeMap::new();
 
     let app = gated_app(dir.path(), &GatedCount::new(true));
@@ -327,7 +302,7 @@ fn queries_during_heavy_processing_see_exactly_a_committed_watermarks_worth_of_r
     const PARTITIONS: u32 = 4;
     const BATCHES: usize = 80;
     const BATCH: usize = 1_000;
-    let dir = TempDir::new("snapshots");
+    let dir = temp_dir("snapshots");
     let app = StreamsApp::start(config(
         dir.path(),
         PARTITIONS,
@@ -407,7 +382,7 @@ fn queries_during_heavy_processing_see_exactly_a_committed_watermarks_worth_of_r
 fn retention_removes_only_committed_records_and_a_stream_before_them_is_out_of_range() {
     const PARTITIONS: u32 = 2;
     const RETENTION_BYTES: u64 = 2_000;
-    let dir = TempDir::new("retention");
+    let dir = temp_dir("retention");
     let mut cfg = config(
         dir.path(),
         PARTITIONS,
@@ -521,7 +496,7 @@ fn retention_removes_only_committed_records_and_a_stream_before_them_is_out_of_r
 #[test]
 fn log_retention_on_the_source_of_a_memory_store_is_refused() {
     const PARTITIONS: u32 = 2;
-    let dir = TempDir::new("memory-retention");
+    let dir = temp_dir("memory-retention");
     let mut cfg = config(dir.path(), PARTITIONS, ProcessorSpec::Count, StoreKind::Memory);
     cfg.topics[0].log_retention_bytes = Some(2_000);
     match StreamsApp::start(cfg.clone()) {

@@ -6,7 +6,7 @@
 use super::Ctx;
 use crate::report::{ScenarioReport, Table, Verdict, group, mib, rate, secs};
 use crate::server::{STORE, ServeOptions, ServerProcess, TOPIC};
-use crate::workload::{TempDir, dir_bytes};
+use crate::workload::{dir_bytes, temp_dir};
 use anyhow::{Context as _, bail};
 use bytes::Bytes;
 use std::time::{Duration, Instant};
@@ -207,7 +207,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
         ("persistent log (data_dir)", Some(StoreKind::Memory), 4, true),
     ];
     for (label, store, callers, then_restart) in variants {
-        let dir = TempDir::new("durable")?;
+        let dir = temp_dir("durable")?;
         let options = ServeOptions {
             data_dir: store.map(|_| dir.path().to_path_buf()),
             store,

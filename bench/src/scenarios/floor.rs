@@ -4,7 +4,7 @@
 
 use super::Ctx;
 use crate::report::{ScenarioReport, Table, Verdict, group, mib, rate, secs};
-use crate::workload::{self, Keys, TempDir, deadline, persistence_note, prefill, run_prefilled};
+use crate::workload::{self, Keys, deadline, persistence_note, prefill, run_prefilled, temp_dir};
 use taskstream_server::config::StoreKind;
 use taskstream_server::{MemoryLog, ProcessingOrder, ProcessorSpec};
 
@@ -49,7 +49,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
         ],
     );
     for (kind, target, records) in variants {
-        let data_dir = TempDir::new("floor")?;
+        let data_dir = temp_dir("floor")?;
         let mut config = workload::config(1, 1, 1, ProcessingOrder::Offset, ProcessorSpec::Count);
         if kind == StoreKind::Persistent {
             config.data_dir = Some(data_dir.path().to_path_buf());

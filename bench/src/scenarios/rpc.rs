@@ -7,7 +7,7 @@
 use super::Ctx;
 use crate::report::{ScenarioReport, Table, Verdict, group, mib, rate, ratio};
 use crate::server::{STORE, ServeOptions, ServerProcess};
-use crate::workload::TempDir;
+use crate::workload::temp_dir;
 use anyhow::{Context as _, anyhow, bail};
 use prost::Message as _;
 use std::io::Read as _;
@@ -200,7 +200,7 @@ fn python_stream(addr: &str) -> Result<(u64, f64), String> {
         Ok(f) if f.success => {}
         _ => return Err("python grpcio not installed (pip install grpcio grpcio-tools)".into()),
     }
-    let stubs = TempDir::new("python-stubs").map_err(|e| e.to_string())?;
+    let stubs = temp_dir("python-stubs").map_err(|e| e.to_string())?;
     let out = stubs.path().display().to_string();
     let generated = run_command(
         python(&[
@@ -279,7 +279,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
         anyhow::Ok(client.process_metadata_for_store(STORE, false).await?)
     })?;
     let canned_bytes = canned.encode_to_vec();
-    let canned_dir = TempDir::new("canned")?;
+    let canned_dir = temp_dir("canned")?;
     let canned_path = canned_dir.path().join("response.bin");
     std::fs::write(&canned_path, &canned_bytes)?;
     let bare = ServerProcess::spawn(
