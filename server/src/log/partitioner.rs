@@ -45,12 +45,8 @@ mod tests {
 
     #[test]
     fn matches_every_row_of_kafkas_vectors() {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../shared/testdata/kafka-default-partitioner.tsv"
-        );
-        let text = std::fs::read_to_string(path)
-            .unwrap_or_else(|e| panic!("read {path}: {e} (shared/ sits beside the checkout)"));
+        // Computed with Kafka's partitioner; see server/tests/data/README.md.
+        let text = include_str!("../../tests/data/kafka-default-partitioner.tsv");
         let mut rows = 0;
         for line in text.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
             let cols: Vec<&str> = line.split('\t').collect();
