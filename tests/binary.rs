@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{Output, TempDir, run, server_binary};
+use common::{Output, run, server_binary, temp_dir};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -13,6 +13,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use taskstream_client::{StreamsClient, keyed_record, v1};
+use taskstream_server::scratch::TempDir;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
@@ -34,20 +35,15 @@ fn server_command() -> Command {
     command
 }
 
-/// A TOML file in the temp dir, removed on drop.
-struct ConfigFile(PathBuf);
+/// A TOML file (its path) in a temp dir of its own, removed on drop.
+struct ConfigFile(PathBuf, #[allow(dead_code)] TempDir);
 
 impl ConfigFile {
     fn new(name: &str, text: &str) -> ConfigFile {
-        let path = std::env::temp_dir().join(format!("taskstream-{name}-{}.toml", std::process::id()));
+        let dir = temp_dir(name);
+        let path = dir.path().join(format!("{name}.toml"));
         std::fs::write(&path, text).expect("write the config file");
-        ConfigFile(path)
-    }
-}
-
-impl Drop for ConfigFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
+        ConfigFile(path, dir)
     }
 }
 
@@ -56,7 +52,7 @@ fn expect_invalid_config(mut command: Command, case: &str) -> Output {
     // Port 0: should the config be wrongly accepted, the server starts without
     // clashing with anything, and the deadline kills it.
     command.args(["--listen", "127.0.0.1:0"]);
-    let output = run(command, case, DEADLINE, None);
+    let output = run(command, case, DEADLINE);
     assert_eq!(
         output.status.code(),
         Some(2),
@@ -131,10 +127,11 @@ fn other_invalid_configurations_exit_2_naming_the_setting() {
     let output = expect_invalid_config(command, "bad processing_order");
     assert_names(&output, "bad processing_order", &["sideways"]);
 
+    let missing = temp_dir("no-config");
     let mut command = server_command();
     command
         .arg("--config")
-        .arg(std::env::temp_dir().join("taskstream-no-such-config.toml"));
+        .arg(missing.path().join("taskstream-no-such-config.toml"));
     let output = expect_invalid_config(command, "missing config file");
     assert_names(
         &output,
@@ -146,6 +143,45 @@ fn other_invalid_configurations_exit_2_naming_the_setting() {
     command.env("TASKSTREAM_MAX_BATCH_RECORDS", "0");
     let output = expect_invalid_config(command, "max_batch_records = 0");
     assert_names(&output, "max_batch_records = 0", &["max_batch_records"]);
+
+    // Every setting has its variable, flag or not; bad values name the
+    // setting, the variable and what is accepted.
+    let mut command = server_command();
+    command.env("TASKSTREAM_RETRY_MAX_ATTEMPTS", "0");
+    let output = expect_invalid_config(command, "TASKSTREAM_RETRY_MAX_ATTEMPTS=0");
+    assert_names(&output, "retry_max_attempts = 0", &["retry_max_attempts"]);
+    let mut command = server_command();
+    command.env("TASKSTREAM_SLOW_SUBSCRIBER", "bogus");
+    let output = expect_invalid_config(command, "TASKSTREAM_SLOW_SUBSCRIBER=bogus");
+    assert_names(
+        &output,
+        "slow_subscriber from env",
+        &["slow_subscriber", "TASKSTREAM_SLOW_SUBSCRIBER", "notify, fail"],
+    );
+
+    // A bad value in the file names the setting's path and the accepted values.
+    let file = ConfigFile::new("bad-policy", "slow_subscriber = \"bogus\"\n");
+    let mut command = server_command();
+    command.arg("--config").arg(&file.0);
+    let output = expect_invalid_config(command, "bad slow_subscriber");
+    assert_names(
+        &output,
+        "bad slow_subscriber",
+        &["`slow_subscriber`", "notify, fail"],
+    );
+    let file = ConfigFile::new(
+        "bad-latency",
+        "[[pipelines]]\nname = \"p\"\nsource_topic = \"t\"\nprocessor = { type = \"simulate\", latency_ms = \"x\" }\n",
+    );
+    let mut command = server_command();
+    command.arg("--config").arg(&file.0);
+    let output = expect_invalid_config(command, "bad latency_ms");
+    assert_names(
+        &output,
+        "bad latency_ms",
+        &["pipelines[0].processor.latency_ms", "[low, high]"],
+    );
+    assert!(!output.stderr.contains("LatencySpec"), "{}", output.describe());
 }
 
 /// What the server's stdout delivers, line by line, to a waiting test.
@@ -505,7 +541,7 @@ fn expect_refused_data_file(dir: &TempDir, file: &Path, case: &str) {
     std::fs::create_dir_all(file.parent().expect("a parent")).expect("create the file's directory");
     let bytes = garbage(16 * 1024);
     std::fs::write(file, &bytes).expect("write the garbage file");
-    let output = expect_invalid_config(server_command_on_data_dir(&dir.0), case);
+    let output = expect_invalid_config(server_command_on_data_dir(dir.path()), case);
     let shown = file.display().to_string();
     assert_names(&output, case, &[&shown]);
     assert!(
@@ -524,24 +560,24 @@ fn expect_refused_data_file(dir: &TempDir, file: &Path, case: &str) {
 
 #[test]
 fn a_garbage_log_file_exits_2_naming_it_and_is_left_untouched() {
-    let dir = TempDir::new("garbage-log");
-    let log = dir.0.join("log.redb");
+    let dir = temp_dir("garbage-log");
+    let log = dir.path().join("log.redb");
     expect_refused_data_file(&dir, &log, "garbage log.redb");
     // Refused before anything else was set up.
     assert!(
-        !dir.0.join("stores").exists(),
+        !dir.path().join("stores").exists(),
         "stores were created next to a log that could not be opened"
     );
 }
 
 #[test]
 fn a_garbage_store_file_exits_2_naming_it_and_is_left_untouched() {
-    let dir = TempDir::new("garbage-store");
+    let dir = temp_dir("garbage-store");
     // stores/<application_id>/<pipeline>_<partition>.redb; the partitions before it open fine.
-    let store = dir.0.join("stores").join("taskstream").join("counts_5.redb");
+    let store = dir.path().join("stores").join("taskstream").join("counts_5.redb");
     expect_refused_data_file(&dir, &store, "garbage stores/taskstream/counts_5.redb");
     assert!(
-        dir.0.join("log.redb").is_file(),
+        dir.path().join("log.redb").is_file(),
         "the log should have been opened first"
     );
 }

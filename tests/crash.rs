@@ -11,7 +11,7 @@
 mod common;
 
 use bytes::Bytes;
-use common::{TempDir, server_binary};
+use common::{server_binary, temp_dir};
 use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -710,9 +710,9 @@ fn crash_test(name: &str, config_text: &str, failing: Option<Failing<'_>>) {
         .collect();
     println!("kills after batch {kill_after:?} plus {kill_delay:?}");
 
-    let dir = TempDir::new(name);
-    let data_dir = dir.0.join("data");
-    let config = dir.0.join("crash.toml");
+    let dir = temp_dir(name);
+    let data_dir = dir.path().join("data");
+    let config = dir.path().join("crash.toml");
     std::fs::write(&config, config_text).expect("write the config");
     server_binary();
 

