@@ -669,3 +669,114 @@ async fn read_topic_below_the_retained_start_is_out_of_range() {
     assert_eq!(read.records[0].key, None);
     server.stop().await;
 }
+
+/// The first error a GetMetadataAsync stream of `store` reports.
+async fn stream_error(client: &StreamsClient, store: &str, options: MetadataOptions) -> ClientError {
+    let (tx, rx) = oneshot::channel();
+    let tx = Mutex::new(Some(tx));
+    let handle = client.get_metadata_async(store, options, move |r: Result<MetadataBatch, ClientError>| {
+        if let (Err(e), Some(tx)) = (r, tx.lock().unwrap().take()) {
+            let _ = tx.send(e);
+        }
+    });
+    let err = tokio::time::timeout(WAIT, rx)
+        .await
+        .expect("the stream failed in time")
+        .expect("the stream reported an error");
+    handle.join().await;
+    err
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_past_the_partition_end_is_out_of_range_naming_the_end_on_every_path() {
+    let server = Server::start(config()).await;
+    let client = &server.client;
+    server.produce(80, 16).await;
+    server.caught_up().await;
+    let end = server.app.log().end_offset("events", 0).unwrap() as i64;
+    assert!(end > 0, "partition 0 got records");
+
+    for start in [end + 1, i64::MAX] {
+        let past = || Start::Offsets(BTreeMap::from([(0, start)]));
+        let paths = [
+            ("END_POSITION_CURRENT", MetadataOptions::bounded().start(past())),
+            ("END_POSITION_OPEN", MetadataOptions::follow().start(past())),
+            (
+                "explicit end",
+                MetadataOptions::bounded()
+                    .start(past())
+                    .end(End::Offsets(BTreeMap::from([(0, i64::MAX)]))),
+            ),
+        ];
+        for (path, options) in paths {
+            let err = stream_error(client, "counts", options).await;
+            assert!(
+                matches!(err, ClientError::OutOfRange { .. }),
+                "{path}, start {start}: {err:?}"
+            );
+            assert!(
+                err.to_string().contains(&format!("end offset {end}")),
+                "{path}, start {start}: {err}"
+            );
+        }
+    }
+
+    // At the end is fine: a bounded stream there is empty and completes.
+    let at_end = MetadataOptions::bounded()
+        .start(Start::Offsets(BTreeMap::from([(0, end)])))
+        .coalesce(true);
+    let (tx, rx) = oneshot::channel();
+    let tx = Mutex::new(Some(tx));
+    let handle = client.get_metadata_async("counts", at_end, move |r: Result<MetadataBatch, ClientError>| {
+        if let Some(tx) = tx.lock().unwrap().take() {
+            let _ = tx.send(r.map(|batch| batch.len()));
+        }
+    });
+    let records = tokio::time::timeout(WAIT, rx).await.unwrap().unwrap();
+    handle.join().await;
+    assert_eq!(records, Ok(0));
+    // An explicit end before the start stays a malformed request.
+    let backwards = MetadataOptions::bounded()
+        .start(Start::Offsets(BTreeMap::from([(0, end + 5)])))
+        .end(End::Offsets(BTreeMap::from([(0, 1)])));
+    let err = stream_error(client, "counts", backwards).await;
+    assert!(matches!(err, ClientError::IllegalArgument { .. }), "{err:?}");
+    server.stop().await;
+}
+
+/// One rule for the empty key, as in Kafka: a present-but-empty key is a key.
+/// Produce takes it, `count` counts it, and Query, MetadataForKey and the
+/// CLI's `get` (a key Query) find it in its partition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_empty_key_is_a_key_for_every_rpc() {
+    let server = Server::start(config()).await;
+    let client = &server.client;
+    let records = vec![
+        keyed_record("", "a"),
+        keyed_record("", "b"),
+        keyed_record("x", "c"),
+    ];
+    let produced = client.produce("events", records).await.unwrap();
+    server.caught_up().await;
+    // Kafka's partitioner puts the empty key in partition 1 of 8
+    // (server/tests/data/kafka-default-partitioner.tsv, first row).
+    let partition = taskstream_server::log::partitioner::partition_for_key(b"", 8);
+    assert_eq!(partition, 1);
+    assert_eq!(produced.positions[0].partition, partition, "{produced:?}");
+
+    let metadata = client.metadata_for_key("counts", "").await.unwrap();
+    assert_eq!(metadata.partition, partition);
+    assert_eq!(
+        client.get("counts", "").await.unwrap().as_deref(),
+        Some(&b"2"[..])
+    );
+    let keys: Vec<Vec<u8>> = client
+        .range("counts", None, None)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(key, _)| key.to_vec())
+        .collect();
+    assert!(keys.contains(&Vec::new()), "range lists the empty key: {keys:?}");
+    server.stop().await;
+}

@@ -143,10 +143,10 @@ struct ReadArgs {
     /// Topic to read: a source topic, or `<application_id>-<pipeline>-retry` / `-dlq`.
     #[arg(long)]
     topic: String,
-    /// Partition to read.
-    #[arg(long, default_value_t = 0)]
-    partition: u32,
-    /// First offset to read (default: the oldest retained).
+    /// Partition to read (default: every partition, one after the other).
+    #[arg(long)]
+    partition: Option<u32>,
+    /// First offset to read in each partition (default: the oldest retained).
     #[arg(long, allow_negative_numbers = true)]
     from: Option<i64>,
     /// At most this many records (0 = the server's default, 500; at most 10,000).
@@ -291,11 +291,11 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                 from: args.from,
                 max_records: args.max,
             };
-            let response = read::run(&client, input).await?;
+            let answers = read::run(&client, input).await?;
             if as_json {
-                out_json_pretty(&json::topic_read(&response))?;
+                out_json_pretty(&json::topic_reads(&answers))?;
             } else {
-                out(&render::topic_read(&response))?;
+                out(&answers.iter().map(render::topic_read).collect::<String>())?;
             }
         }
         Command::Describe => {
@@ -397,7 +397,7 @@ mod tests {
         let Command::Read(args) = cli.command else {
             panic!("read")
         };
-        assert_eq!((args.partition, args.from, args.max), (0, None, 0));
+        assert_eq!((args.partition, args.from, args.max), (None, None, 0));
         let cli = Cli::try_parse_from([
             "taskstream",
             "read",
@@ -415,7 +415,7 @@ mod tests {
             panic!("read")
         };
         // A negative offset reaches the server, which names the field.
-        assert_eq!((args.partition, args.from, args.max), (3, Some(-1), 10));
+        assert_eq!((args.partition, args.from, args.max), (Some(3), Some(-1), 10));
 
         let cli = Cli::try_parse_from(["taskstream", "range", "--store", "s", "a"]).expect("parses");
         assert!(matches!(

@@ -234,6 +234,7 @@ impl StreamsService for Fake {
             }],
             start_offset: 0,
             end_offset: request.offset + 1,
+            partitions: 4,
         }))
     }
 }

@@ -170,58 +170,62 @@ pub fn run(mut command: Command, what: &str, timeout: Duration) -> Output {
     }
 }
 
-/// The binary of this checkout, built next to the test executable: the root
-/// package's tests do not build other packages' binaries, and a binary left
-/// from an earlier build may be stale, so cargo is asked (a no-op when fresh).
+/// The server binary of this checkout (see [`workspace_binary`]).
 #[allow(dead_code)]
 pub fn server_binary() -> &'static Path {
     static BINARY: OnceLock<PathBuf> = OnceLock::new();
-    BINARY.get_or_init(|| {
-        // <target>/<profile>/deps/<test>-HASH
-        let exe = std::env::current_exe().expect("the test executable's path");
-        let profile_dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("the test executable lives in <target>/<profile>/deps");
-        let target_dir = profile_dir.parent().expect("the target directory");
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let mut build = Command::new(cargo);
-        build
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .args([
-                "build",
-                "--quiet",
-                "-p",
-                "taskstream-server",
-                "--bin",
-                "taskstream-server",
-            ])
-            .arg("--target-dir")
-            .arg(target_dir);
-        match profile_dir.file_name().and_then(|name| name.to_str()) {
-            Some("debug") => {}
-            Some("release") => {
-                build.arg("--release");
-            }
-            Some(profile) => {
-                build.args(["--profile", profile]);
-            }
-            None => {}
+    BINARY.get_or_init(|| workspace_binary("taskstream-server", "taskstream-server"))
+}
+
+/// The `taskstream` CLI of this checkout (see [`workspace_binary`]).
+#[allow(dead_code)]
+pub fn cli_binary() -> &'static Path {
+    static BINARY: OnceLock<PathBuf> = OnceLock::new();
+    BINARY.get_or_init(|| workspace_binary("taskstream-client", "taskstream"))
+}
+
+#[allow(dead_code)]
+/// A binary of this checkout, built next to the test executable: the root
+/// package's tests do not build other packages' binaries, and a binary left
+/// from an earlier build may be stale, so cargo is asked (a no-op when fresh).
+fn workspace_binary(package: &str, bin: &str) -> PathBuf {
+    // <target>/<profile>/deps/<test>-HASH
+    let exe = std::env::current_exe().expect("the test executable's path");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("the test executable lives in <target>/<profile>/deps");
+    let target_dir = profile_dir.parent().expect("the target directory");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut build = Command::new(cargo);
+    build
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["build", "--quiet", "-p", package, "--bin", bin])
+        .arg("--target-dir")
+        .arg(target_dir);
+    match profile_dir.file_name().and_then(|name| name.to_str()) {
+        Some("debug") => {}
+        Some("release") => {
+            build.arg("--release");
         }
-        let output = run(
-            build,
-            "cargo build -p taskstream-server",
-            Duration::from_secs(1800),
-        );
-        assert!(
-            output.status.success(),
-            "building the server failed:\n{}",
-            output.describe()
-        );
-        let binary = profile_dir.join(format!("taskstream-server{}", std::env::consts::EXE_SUFFIX));
-        assert!(binary.is_file(), "no server binary at {}", binary.display());
-        binary
-    })
+        Some(profile) => {
+            build.args(["--profile", profile]);
+        }
+        None => {}
+    }
+    let output = run(
+        build,
+        &format!("cargo build -p {package}"),
+        Duration::from_secs(1800),
+    );
+    assert!(
+        output.status.success(),
+        "building {bin} failed:\n{}",
+        output.describe()
+    );
+    let binary = profile_dir.join(format!("{bin}{}", std::env::consts::EXE_SUFFIX));
+    assert!(binary.is_file(), "no {bin} binary at {}", binary.display());
+    binary
 }
 
 /// A fresh directory under the temp dir, removed on drop.

@@ -165,12 +165,35 @@ def main():
             ),
         )
 
+    def rich_error_details():
+        # grpcio shows code and message; the details (google.rpc.Status in the
+        # grpc-status-details-bin trailer) need the grpcio-status package.
+        from google.rpc import error_details_pb2
+        from grpc_status import rpc_status
+
+        try:
+            streams.ProcessMetadataForStore(pb.ProcessMetadataForStoreRequest(store="", in_order=True), timeout=TIMEOUT_S)
+        except grpc.RpcError as error:
+            status = rpc_status.from_call(error)
+        else:
+            raise AssertionError("an empty store name was accepted")
+        assert status is not None, "no rich error details in the trailers"
+        assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], status
+        violations = []
+        for detail in status.details:
+            bad_request = error_details_pb2.BadRequest()
+            if detail.Unpack(bad_request):
+                violations.extend(bad_request.field_violations)
+        assert [v.field for v in violations] == ["store"], status
+        return f"BadRequest: {violations[0].field}: {violations[0].description}"
+
     check("produce", produce)
     check("ProcessMetadataForStore(counts, in_order)", metadata)
     check("bounded GetMetadataAsync(counts, in_order)", bounded_stream)
     check("in_order on unordered store -> FAILED_PRECONDITION", failed_precondition)
     check("unknown store -> NOT_FOUND", not_found)
     check("empty store name -> INVALID_ARGUMENT", invalid_argument)
+    check("BadRequest details decoded with grpcio-status", rich_error_details)
     channel.close()
 
     failed = [name for name, ok in results if not ok]

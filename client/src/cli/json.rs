@@ -138,6 +138,15 @@ pub fn produce(response: &v1::ProduceResponse) -> Value {
     })
 }
 
+/// The partitions read, as `{topic, partitions: [...]}` with one
+/// [`topic_read`] per partition, in partition order.
+pub fn topic_reads(answers: &[v1::ReadTopicResponse]) -> Value {
+    json!({
+        "topic": answers.first().map(|a| a.topic.as_str()),
+        "partitions": answers.iter().map(topic_read).collect::<Vec<_>>(),
+    })
+}
+
 /// Headers as a list of `{name, value}`: they keep their order and may repeat.
 pub fn topic_read(response: &v1::ReadTopicResponse) -> Value {
     let records: Vec<Value> = response

@@ -346,6 +346,7 @@ mod tests {
             ],
             start_offset: 3,
             end_offset: 6,
+            partitions: 4,
         };
         assert_eq!(
             topic_read(&response),

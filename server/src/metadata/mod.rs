@@ -108,6 +108,8 @@ pub struct TopicRead {
     pub start_offset: u64,
     /// The next offset to be written.
     pub end_offset: u64,
+    /// Partitions of the topic.
+    pub partitions: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

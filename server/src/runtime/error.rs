@@ -46,6 +46,19 @@ pub enum RuntimeError {
         earliest: u64,
     },
 
+    /// A stream asked to start past the end of a partition: no record there
+    /// exists yet, and none may ever (answered OUT_OF_RANGE, like a start
+    /// before what is retained).
+    #[error(
+        "start offset {requested} of partition {partition} is past its end offset {end}; \
+         start at or before {end}"
+    )]
+    OffsetPastEnd {
+        partition: u32,
+        requested: u64,
+        end: u64,
+    },
+
     /// The data dir cannot be read or written (corrupt, unreadable, full).
     /// At start this stops the server (exit code 2); it is never reset silently.
     #[error("data file {path}: {message}")]

@@ -821,6 +821,7 @@ impl StreamsApp {
             records,
             start_offset: shared.log.start_offset(topic, partition)?,
             end_offset: shared.log.end_offset(topic, partition)?,
+            partitions: shared.log.partitions(topic)?,
         })
     }
 
@@ -986,6 +987,19 @@ impl StreamsApp {
                     Some(end)
                 }
             };
+            // Whatever the end (current, open, explicit; an explicit end before
+            // the start is malformed first): a start past the partition's end
+            // would be an empty stream or one waiting for nothing.
+            if let StartAt::Offsets(_) = &request.start {
+                let log_end = shared.log.end_offset(&pipeline.topic, partition)?;
+                if start > log_end {
+                    return Err(RuntimeError::OffsetPastEnd {
+                        partition,
+                        requested: start,
+                        end: log_end,
+                    });
+                }
+            }
             ranges.push(crate::metadata::PartitionRange {
                 partition,
                 start,
@@ -1238,10 +1252,9 @@ fn check_in_order(pipeline: &PipelineRuntime, in_order: bool) -> Result<(), Runt
     Ok(())
 }
 
+/// The empty key is a key like any other, as in Kafka: Produce accepts it,
+/// processors see it, and it has a partition (murmur2 of no bytes) and a store entry.
 fn key_partition(pipeline: &PipelineRuntime, key: &[u8]) -> Result<u32, RuntimeError> {
-    if key.is_empty() {
-        return Err(RuntimeError::invalid_argument("key", "must not be empty"));
-    }
     Ok(partition_for_key(key, pipeline.partitions))
 }
 

@@ -185,6 +185,7 @@ pub fn topic_read(topic: String, partition: u32, read: TopicRead) -> pb::ReadTop
         records: read.records.into_iter().map(topic_record).collect(),
         start_offset: offset(read.start_offset),
         end_offset: offset(read.end_offset),
+        partitions: read.partitions,
     }
 }
 
@@ -443,10 +444,12 @@ mod tests {
                 records: vec![record(5, Some(b"k")), record(6, None)],
                 start_offset: 3,
                 end_offset: 9,
+                partitions: 4,
             },
         );
         assert_eq!((response.topic.as_str(), response.partition), ("app-p-dlq", 2));
         assert_eq!((response.start_offset, response.end_offset), (3, 9));
+        assert_eq!(response.partitions, 4);
         let first = &response.records[0];
         assert_eq!((first.partition, first.offset, first.timestamp_ms), (2, 5, 1_005));
         assert_eq!(first.key.as_deref(), Some(&b"k"[..]));

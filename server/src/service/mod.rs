@@ -14,8 +14,8 @@ mod streams;
 pub use admin::AdminHandler;
 pub use outcomes::STREAM_CHANNEL_CAPACITY;
 pub use status::{
-    ERROR_DOMAIN, PRECONDITION_PROCESSING_ORDER, REASON_OFFSET_OUT_OF_RANGE, REASON_SUBSCRIBER_LAGGED,
-    ServiceError, to_status,
+    ERROR_DOMAIN, PRECONDITION_PROCESSING_ORDER, REASON_OFFSET_OUT_OF_RANGE, REASON_OFFSET_PAST_END,
+    REASON_SUBSCRIBER_LAGGED, ServiceError, to_status,
 };
 pub use streams::StreamsHandler;
 

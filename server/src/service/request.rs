@@ -53,13 +53,6 @@ pub fn check_store(store: &str) -> Result<(), RuntimeError> {
     check_name("store", store)
 }
 
-pub fn check_key(field: &str, key: &[u8]) -> Result<(), RuntimeError> {
-    if key.is_empty() {
-        return Err(RuntimeError::invalid_argument(field, "must not be empty"));
-    }
-    Ok(())
-}
-
 /// A GetMetadataAsync request as the runtime and the stream pump need it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MetadataStream {
@@ -189,10 +182,8 @@ pub fn store_query(request: pb::QueryRequest) -> Result<(String, StoreQuery), Ru
         }
         // A key lives in exactly one partition, so `partitions` and `limit`
         // have nothing to narrow for a key query.
-        Some(pb::query_request::Query::Key(key)) => {
-            check_key("key.key", &key.key)?;
-            StoreQuery::Key(key.key)
-        }
+        // The empty key is a key (as in Kafka), so every key is well formed.
+        Some(pb::query_request::Query::Key(key)) => StoreQuery::Key(key.key),
         Some(pb::query_request::Query::Range(range)) => {
             if let (Some(from), Some(to)) = (&range.from, &range.to)
                 && from > to
@@ -449,7 +440,8 @@ mod tests {
             })),
             ..request.clone()
         };
-        assert_eq!(field_of(store_query(key(b"")).unwrap_err()), "key.key");
+        // The empty key is a key, as in Kafka.
+        assert_eq!(store_query(key(b"")).unwrap().1, StoreQuery::Key(Bytes::new()));
         assert_eq!(
             store_query(key(b"k1")).unwrap(),
             ("counts".to_string(), StoreQuery::Key(Bytes::from_static(b"k1")))
@@ -484,12 +476,6 @@ mod tests {
         })
         .unwrap_err();
         assert_eq!(field_of(error), "store");
-    }
-
-    #[test]
-    fn key_must_not_be_empty() {
-        assert_eq!(field_of(check_key("key", b"").unwrap_err()), "key");
-        check_key("key", b"k").unwrap();
     }
 
     #[test]

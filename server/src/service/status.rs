@@ -19,6 +19,8 @@ pub const REASON_SUBSCRIBER_LAGGED: &str = "SUBSCRIBER_LAGGED";
 
 /// `ErrorInfo.reason` of a stream that asked for offsets no longer retained.
 pub const REASON_OFFSET_OUT_OF_RANGE: &str = "OFFSET_OUT_OF_RANGE";
+/// ErrorInfo reason of a stream start past the end of its partition.
+pub const REASON_OFFSET_PAST_END: &str = "OFFSET_PAST_END";
 
 /// What a handler can fail with. Almost everything is a `RuntimeError`; the
 /// one condition the runtime does not own is the slow-subscriber policy, which
@@ -107,6 +109,24 @@ pub fn to_status(error: impl Into<ServiceError>) -> Status {
                     ("partition".to_string(), partition.to_string()),
                     ("requested".to_string(), requested.to_string()),
                     ("earliest".to_string(), earliest.to_string()),
+                ]),
+            ),
+        ),
+        ServiceError::Runtime(RuntimeError::OffsetPastEnd {
+            partition,
+            requested,
+            end,
+        }) => Status::with_error_details(
+            Code::OutOfRange,
+            message,
+            // The end offset lets a client start there without parsing the message.
+            ErrorDetails::with_error_info(
+                REASON_OFFSET_PAST_END,
+                ERROR_DOMAIN,
+                HashMap::from([
+                    ("partition".to_string(), partition.to_string()),
+                    ("requested".to_string(), requested.to_string()),
+                    ("end".to_string(), end.to_string()),
                 ]),
             ),
         ),
@@ -238,6 +258,21 @@ mod tests {
         assert_eq!(info.metadata["partition"], "3");
         assert_eq!(info.metadata["requested"], "5");
         assert_eq!(info.metadata["earliest"], "100");
+    }
+
+    #[test]
+    fn a_start_past_the_end_tells_the_end_offset() {
+        let status = to_status(RuntimeError::OffsetPastEnd {
+            partition: 2,
+            requested: 50,
+            end: 7,
+        });
+        assert_eq!(status.code(), Code::OutOfRange);
+        assert!(status.message().contains("end offset 7"), "{}", status.message());
+        let info = status.get_details_error_info().expect("ErrorInfo detail");
+        assert_eq!(info.reason, REASON_OFFSET_PAST_END);
+        assert_eq!(info.metadata["end"], "7");
+        assert_eq!(info.metadata["requested"], "50");
     }
 
     #[test]

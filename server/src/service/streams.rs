@@ -73,7 +73,6 @@ impl StreamsService for StreamsHandler {
     ) -> Result<Response<pb::MetadataForKeyResponse>, Status> {
         let request = request.into_inner();
         request::check_store(&request.store).map_err(to_status)?;
-        request::check_key("key", &request.key).map_err(to_status)?;
         let metadata = self
             .app
             .metadata_for_key(&request.store, &request.key)
