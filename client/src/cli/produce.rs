@@ -2,12 +2,10 @@
 //! stdin lines (ProduceStream in batches of 1,000, read on a plain thread so
 //! a slow server pushes back on the reader), with a progress bar on stderr.
 
-use std::{
-    io::{self, BufRead, IsTerminal, Write},
-    time::{Duration, Instant},
-};
+use std::io::{self, BufRead, IsTerminal};
 
 use bytes::Bytes;
+use indicatif::{HumanCount, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use taskstream_client::{StreamsClient, v1};
 use tokio::sync::mpsc;
 use tokio_stream::{StreamExt, wrappers::ReceiverStream};
@@ -47,7 +45,7 @@ pub async fn run(client: &StreamsClient, input: ProduceInput) -> anyhow::Result<
             if key.is_some() { "value" } else { "key:value" }
         );
     }
-    let mut progress = Progress::new(input.progress, stdin_len());
+    let mut progress = Progress::new(input.progress, stdin_len(), ProgressDrawTarget::stderr());
     let (tx, mut rx) = mpsc::channel::<Vec<v1::ProducerRecord>>(QUEUED_BATCHES);
     let partition = input.partition;
     let reader = std::thread::spawn(move || -> io::Result<u64> {
@@ -161,24 +159,24 @@ fn stdin_len() -> Option<u64> {
     None
 }
 
-/// A text progress bar on stderr, shown once the input passed 10,000 lines.
-/// On a terminal it redraws one line; otherwise (a log) it writes a line per second.
+/// A progress bar on stderr, shown once the input passed 10,000 lines. With
+/// stdin a regular file it has a total (bytes read of the file's size);
+/// otherwise it counts records. indicatif draws it: one redrawn line on a
+/// terminal, nothing when stderr is not one, width and rate worked out.
 struct Progress {
     enabled: bool,
-    tty: bool,
     total_bytes: Option<u64>,
-    started: Instant,
-    last_draw: Option<Instant>,
+    target: Option<ProgressDrawTarget>,
+    bar: Option<ProgressBar>,
 }
 
 impl Progress {
-    fn new(enabled: bool, total_bytes: Option<u64>) -> Self {
+    fn new(enabled: bool, total_bytes: Option<u64>, target: ProgressDrawTarget) -> Self {
         Progress {
             enabled,
-            tty: io::stderr().is_terminal(),
             total_bytes: total_bytes.filter(|&n| n > 0),
-            started: Instant::now(),
-            last_draw: None,
+            target: Some(target),
+            bar: None,
         }
     }
 
@@ -186,80 +184,53 @@ impl Progress {
         if !self.enabled || records <= PROGRESS_AFTER_LINES {
             return;
         }
-        let every = if self.tty {
-            Duration::from_millis(100)
-        } else {
-            Duration::from_secs(1)
+        let bar = match (&self.bar, self.target.take()) {
+            (Some(bar), _) => bar,
+            (None, target) => self.bar.insert(new_bar(
+                self.total_bytes,
+                target.unwrap_or_else(ProgressDrawTarget::hidden),
+            )),
         };
-        if self.last_draw.is_some_and(|at| at.elapsed() < every) {
-            return;
-        }
-        self.last_draw = Some(Instant::now());
-        self.draw(records, bytes, false);
+        bar.set_position(if self.total_bytes.is_some() {
+            bytes
+        } else {
+            records
+        });
+        bar.set_message(format!("{} records", HumanCount(records)));
     }
 
     fn finish(&mut self, records: u64, bytes: u64) {
         // Only close a bar that was started: small inputs stay quiet.
-        if self.enabled && self.last_draw.is_some() {
-            self.draw(records, bytes, true);
-        }
-    }
-
-    fn draw(&self, records: u64, bytes: u64, done: bool) {
-        let line = progress_line(records, bytes, self.total_bytes, self.started.elapsed(), done);
-        let mut stderr = io::stderr().lock();
-        // Progress is a courtesy: a closed stderr must not stop the produce.
-        let _ = if self.tty {
-            write!(stderr, "\r{line}\x1b[K{}", if done { "\n" } else { "" })
-        } else {
-            writeln!(stderr, "{line}")
-        };
-        let _ = stderr.flush();
-    }
-}
-
-/// `[########            ]  40%  120,000 records  50,000 rec/s` (the bar only with a known total).
-fn progress_line(
-    records: u64,
-    bytes: u64,
-    total_bytes: Option<u64>,
-    elapsed: Duration,
-    done: bool,
-) -> String {
-    const WIDTH: u64 = 30;
-    let rate = records as f64 / elapsed.as_secs_f64().max(0.001);
-    let counts = format!("{} records  {} rec/s", thousands(records), thousands(rate as u64));
-    let bar = match total_bytes {
-        Some(total) => {
-            let percent = if done {
-                100
+        if let Some(bar) = &self.bar {
+            bar.set_position(if self.total_bytes.is_some() {
+                bytes
             } else {
-                (bytes.min(total) * 100 / total).min(99)
-            };
-            let filled = percent * WIDTH / 100;
-            format!(
-                "[{}{}] {percent:>3}%  ",
-                "#".repeat(filled as usize),
-                " ".repeat((WIDTH - filled) as usize)
-            )
+                records
+            });
+            bar.finish_with_message(format!("{} records read", HumanCount(records)));
         }
-        None => String::new(),
-    };
-    let state = if done { "read" } else { "reading" };
-    format!("{bar}{state} {counts}")
+    }
 }
 
-/// 1234567 → "1,234,567".
-pub fn thousands(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
+/// `[#########           ]  45%  120,000 records  3.20 MiB/s  eta 4s` with a
+/// known size, else `⠁ 120,000 records  52,110/s` (records per second).
+fn new_bar(total_bytes: Option<u64>, target: ProgressDrawTarget) -> ProgressBar {
+    let (bar, template) = match total_bytes {
+        Some(total) => (
+            ProgressBar::with_draw_target(Some(total), target),
+            "[{bar:30}] {percent:>3}%  {msg}  {binary_bytes_per_sec}  eta {eta}",
+        ),
+        None => (
+            ProgressBar::with_draw_target(None, target),
+            "{spinner} {msg}  {per_sec:0}",
+        ),
+    };
+    // The templates are constants; should one be refused, the default style still shows progress.
+    let style = ProgressStyle::with_template(template)
+        .map(|style| style.progress_chars("## "))
+        .unwrap_or_else(|_| ProgressStyle::default_bar());
+    bar.set_style(style);
+    bar
 }
 
 #[cfg(test)]
@@ -295,30 +266,29 @@ mod tests {
     }
 
     #[test]
-    fn thousands_separators() {
-        assert_eq!(thousands(0), "0");
-        assert_eq!(thousands(999), "999");
-        assert_eq!(thousands(1_000), "1,000");
-        assert_eq!(thousands(1_234_567), "1,234,567");
-    }
+    fn the_bar_starts_after_many_lines_and_ends_full() {
+        let mut quiet = Progress::new(true, Some(1_000), ProgressDrawTarget::hidden());
+        quiet.update(PROGRESS_AFTER_LINES, 100);
+        quiet.finish(PROGRESS_AFTER_LINES, 1_000);
+        assert!(quiet.bar.is_none(), "small inputs get no bar");
 
-    #[test]
-    fn progress_lines() {
-        let line = progress_line(50_000, 500, Some(1_000), Duration::from_secs(2), false);
-        assert_eq!(
-            line,
-            format!(
-                "[{}{}]  50%  reading 50,000 records  25,000 rec/s",
-                "#".repeat(15),
-                " ".repeat(15)
-            )
-        );
-        let done = progress_line(100_000, 1_000, Some(1_000), Duration::from_secs(2), true);
-        assert!(
-            done.starts_with(&format!("[{}] 100%  read 100,000", "#".repeat(30))),
-            "{done}"
-        );
-        let unknown = progress_line(20_000, 0, None, Duration::from_secs(1), false);
-        assert_eq!(unknown, "reading 20,000 records  20,000 rec/s");
+        let mut sized = Progress::new(true, Some(1_000), ProgressDrawTarget::hidden());
+        sized.update(20_000, 400);
+        let bar = sized.bar.clone().expect("a bar past 10,000 lines");
+        assert_eq!((bar.position(), bar.length()), (400, Some(1_000)));
+        assert_eq!(bar.message(), "20,000 records");
+        sized.finish(50_000, 1_000);
+        assert!(bar.is_finished());
+        assert_eq!(bar.position(), 1_000);
+        assert_eq!(bar.message(), "50,000 records read");
+
+        let mut counted = Progress::new(true, None, ProgressDrawTarget::hidden());
+        counted.update(30_000, 9_999);
+        let bar = counted.bar.clone().expect("a bar past 10,000 lines");
+        assert_eq!((bar.position(), bar.length()), (30_000, None));
+
+        let mut off = Progress::new(false, None, ProgressDrawTarget::hidden());
+        off.update(30_000, 0);
+        assert!(off.bar.is_none(), "--no-progress");
     }
 }
