@@ -525,8 +525,7 @@ fn a_retry_finished_out_of_order_is_not_applied_again_after_a_restart() {
     // `slow` (retry offset 0) fails three attempts, `fast` (retry offset 1) one:
     // `fast` is final while `slow` still waits, above the retry watermark. The
     // persistent store's checkpoint must say so, or a restart would count it twice.
-    let dir = std::env::temp_dir().join(format!("taskstream-retry-restart-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = taskstream_server::scratch::scratch_dir("retry-restart").expect("a temp dir");
     let processor = || -> Arc<dyn Processor> {
         Arc::new(|record: &Record, ctx: &ProcessorContext<'_>| {
             let key = record.key.clone().unwrap_or_default();
@@ -542,7 +541,7 @@ fn a_retry_finished_out_of_order_is_not_applied_again_after_a_restart() {
         })
     };
     let mut cfg = config(2, 1, ProcessingOrder::Offset, 1, "flaky");
-    cfg.data_dir = Some(dir.clone());
+    cfg.data_dir = Some(dir.path().to_path_buf());
     cfg.retry_max_attempts = 10;
     cfg.retry_backoff_ms = 100;
     cfg.retry_backoff_max_ms = 1_000;
@@ -580,5 +579,4 @@ fn a_retry_finished_out_of_order_is_not_applied_again_after_a_restart() {
     assert_eq!(app.get("p", b"slow").unwrap().unwrap(), "1");
     app.shutdown().unwrap();
     drop(app);
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -186,10 +186,22 @@ fn run_command(mut command: Command, timeout: Duration) -> anyhow::Result<Finish
     })
 }
 
+/// The Python of the tests' venv (`<target>/taskstream-test-tools/venv`, made
+/// by `cargo test`; the harness runs from `<target>/release`), else `python3`.
+fn python_program() -> std::path::PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.ancestors().nth(2).map(Path::to_path_buf))
+        .map(|target| target.join("taskstream-test-tools/venv/bin/python"))
+        .filter(|python| python.is_file())
+        .unwrap_or_else(|| "python3".into())
+}
+
 /// The Python grpcio client's (records, seconds), or why it could not run.
 fn python_stream(addr: &str) -> Result<(u64, f64), String> {
+    let program = python_program();
     let python = |args: &[&str]| {
-        let mut command = Command::new("python3");
+        let mut command = Command::new(&program);
         command.arg("-u").args(args).current_dir(REPO);
         command
     };
@@ -198,7 +210,13 @@ fn python_stream(addr: &str) -> Result<(u64, f64), String> {
         Duration::from_secs(60),
     ) {
         Ok(f) if f.success => {}
-        _ => return Err("python grpcio not installed (pip install grpcio grpcio-tools)".into()),
+        _ => {
+            return Err(
+                "python grpcio not found: `cargo test --test python_grpcio` installs it into the tests' venv, \
+                 which the harness then uses"
+                    .into(),
+            );
+        }
     }
     let stubs = temp_dir("python-stubs").map_err(|e| e.to_string())?;
     let out = stubs.path().display().to_string();
