@@ -19,6 +19,7 @@
 //! build a [`Config`], start a [`StreamsApp`], produce, query, subscribe, shut down.
 
 pub mod config;
+pub mod datadir;
 pub mod log;
 pub mod metadata;
 pub mod metrics;

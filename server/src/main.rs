@@ -64,12 +64,16 @@ fn command() -> clap::Command {
     SETTINGS
         .iter()
         .fold(Cli::command(), |command, setting| match setting.flag {
-            Some(flag) => command.arg(
-                clap::Arg::new(setting.name)
+            Some(flag) => {
+                let arg = clap::Arg::new(setting.name)
                     .long(flag)
                     .value_name(setting.value_name)
-                    .help(format!("{} [env: {}]", setting.help, setting.env_var())),
-            ),
+                    .help(format!("{} [env: {}]", setting.help, setting.env_var()));
+                command.arg(match setting.is_switch() {
+                    true => arg.num_args(0..=1).default_missing_value("true"),
+                    false => arg,
+                })
+            }
             None => command,
         })
 }

@@ -439,6 +439,9 @@ pub struct Config {
     /// Directory of the persistent log and stores; `None` keeps everything in
     /// memory (lost on restart).
     pub data_dir: Option<PathBuf>,
+    /// At start, delete the stores the data dir check refuses (empty, damaged, another log's,
+    /// ahead of the log) and rebuild them from the log; with a missing or foreign log, all of them.
+    pub reset_stores: bool,
     /// What a failing record does: `retry_topic` (default) or `blocking`.
     pub retry_policy: RetryPolicy,
     /// Processing attempts of a record, the first included, before it is dead-lettered.
@@ -469,6 +472,7 @@ impl Default for Config {
             subscriber_buffer_batches: 1024,
             slow_subscriber: SlowSubscriberPolicy::Notify,
             data_dir: None,
+            reset_stores: false,
             retry_policy: RetryPolicy::RetryTopic,
             retry_max_attempts: 3,
             retry_backoff_ms: 100,
@@ -498,6 +502,11 @@ pub struct Setting {
 }
 
 impl Setting {
+    /// A yes/no setting, whose flag may stand alone (`--reset-stores` = `--reset-stores true`).
+    pub fn is_switch(&self) -> bool {
+        self.value_name == SWITCH
+    }
+
     /// `TASKSTREAM_` and the setting's name in capitals.
     pub fn env_var(&self) -> String {
         format!("TASKSTREAM_{}", self.name.to_ascii_uppercase())
@@ -513,7 +522,7 @@ impl Setting {
 
 /// A `Setting` for field `$field`, read from text by `$parse`.
 macro_rules! setting {
-    ($field:ident, $flag:expr, $value_name:literal, $parse:expr, $help:literal) => {
+    ($field:ident, $flag:expr, $value_name:expr, $parse:expr, $help:literal) => {
         Setting {
             name: stringify!($field),
             flag: $flag,
@@ -617,6 +626,14 @@ pub const SETTINGS: &[Setting] = &[
          default uses ./taskstream-data, a --config file its own `data_dir` (none: in memory)."
     ),
     setting!(
+        reset_stores,
+        Some("reset-stores"),
+        SWITCH,
+        parse_bool,
+        "At start, delete the stores the data dir check refuses (empty, damaged, another log's, ahead \
+         of the log; all of them when the log is missing or another dir's) and rebuild them from the log."
+    ),
+    setting!(
         retry_policy,
         None,
         "POLICY",
@@ -661,6 +678,17 @@ fn parse_number<T: std::str::FromStr>(text: &str) -> Result<T, String> {
     text.trim()
         .parse()
         .map_err(|_| format!("`{text}` is not a whole number of 0 or more (or it is too large)"))
+}
+
+/// `value_name` of a yes/no setting: its flag alone means `true`.
+pub const SWITCH: &str = "true|false";
+
+fn parse_bool(text: &str) -> Result<bool, String> {
+    match text.trim() {
+        "true" => Ok(true),
+        "false" => Ok(false),
+        _ => Err(format!("`{text}` is not one of the accepted values: true, false")),
+    }
 }
 
 fn parse_dir(text: &str) -> Result<Option<PathBuf>, String> {
@@ -1296,6 +1324,7 @@ mod tests {
             ("retry_policy", "blocking", "\"blocking\""),
             ("processing_timeout_ms", "0", "0"),
             ("data_dir", "/tmp/x", "\"/tmp/x\""),
+            ("reset_stores", "true", "true"),
             ("application_id", "app", "\"app\""),
         ];
         for (name, env_text, toml_text) in cases {

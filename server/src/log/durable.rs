@@ -32,6 +32,21 @@ const TOPICS: TableDefinition<&str, u32> = TableDefinition::new("topics");
 const PARTITIONS: TableDefinition<(&str, u32), (u64, u64, u64)> = TableDefinition::new("partitions");
 /// (group, topic, partition) → committed offset.
 const COMMITTED: TableDefinition<(&str, &str, u32), u64> = TableDefinition::new("committed");
+/// `log_id` → the id drawn when the log was created, which its data dir and stores record too
+/// (`crate::datadir`). Logs from before ids have none until their data dir adopts them.
+const IDENTITY: TableDefinition<&str, &str> = TableDefinition::new("identity");
+const LOG_ID_KEY: &str = "log_id";
+
+/// What `RedbLog::peek_log_id` could tell without writing to the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Peeked {
+    LogId(String),
+    /// A log from before ids.
+    NoLogId,
+    /// Only an open for writing can tell: the file needs crash recovery (every file after a
+    /// SIGKILL), is damaged, or is no redb file at all.
+    Unknown,
+}
 
 /// One table per topic-partition, offset → encoded record.
 fn records_table(name: &str) -> TableDefinition<'_, u64, &'static [u8]> {
@@ -110,6 +125,7 @@ struct Shared {
     db: Database,
     topics: RwLock<HashMap<String, Arc<TopicMirror>>>,
     committed: RwLock<HashMap<(String, String, u32), u64>>,
+    log_id: RwLock<Option<String>>,
 }
 
 impl Shared {
@@ -159,6 +175,9 @@ enum Op {
         keep_from: u64,
         now_ms: i64,
     },
+    SetLogId {
+        log_id: String,
+    },
 }
 
 impl Op {
@@ -199,11 +218,12 @@ pub struct RedbLog {
 }
 
 impl RedbLog {
-    /// Opens the log kept in `dir`, creating the directory and `dir/log.redb` if missing.
-    /// A file that is not a redb database, is corrupt or cannot be read is reported as
-    /// `LogError::Storage` naming it; it is never reset. The whole file is checked at open
-    /// (redb's integrity check), so opening takes time proportional to its size. The file is
-    /// locked: a second open, from this process or another, fails until the first is dropped.
+    /// Opens the log kept in `dir`, creating the directory and `dir/log.redb` if missing (a new
+    /// log draws its id, `log_id`). A file that is empty, not a redb database, corrupt or cannot
+    /// be read is reported as `LogError::Storage` naming it; it is never reset. The whole file is
+    /// checked at open (redb's integrity check), so opening takes time proportional to its size.
+    /// The file is locked: a second open, from this process or another, fails until the first is
+    /// dropped. Whether the log belongs to its data dir is `crate::datadir`'s question.
     pub fn open(dir: &Path) -> Result<Arc<RedbLog>, LogError> {
         std::fs::create_dir_all(dir).map_err(|e| LogError::Storage {
             path: dir.display().to_string(),
@@ -215,6 +235,21 @@ impl RedbLog {
             path: shown.clone(),
             message,
         };
+        // redb would initialise an empty file as a new database: a log that lost its content
+        // must not come back as an empty one.
+        let created = match std::fs::metadata(&path) {
+            Ok(meta) if meta.len() == 0 => {
+                return Err(storage(
+                    "the log is empty (0 bytes): it is damaged, and is left as it is".into(),
+                ));
+            }
+            Ok(_) => false,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+            Err(e) => return Err(storage(format!("cannot read the log: {e}"))),
+        };
+        if created {
+            create_stamped(&path).map_err(|e| storage(format!("cannot create the log: {e}")))?;
+        }
         // Without the integrity check redb trusts the file and may panic on a damaged one; with
         // it a damaged file is an error. The catch is for whatever the check still misses.
         let opened = catch_unwind(AssertUnwindSafe(|| {
@@ -237,11 +272,13 @@ impl RedbLog {
             db,
             topics: RwLock::new(HashMap::new()),
             committed: RwLock::new(HashMap::new()),
+            log_id: RwLock::new(None),
         };
-        let (topics, committed) = catch_unwind(AssertUnwindSafe(|| load(&shared)))
+        let (topics, committed, log_id) = catch_unwind(AssertUnwindSafe(|| load(&shared)))
             .unwrap_or_else(|_| Err(shared.storage("cannot load the log: the file is corrupt")))?;
         *shared.topics.write().unwrap_or_else(|e| e.into_inner()) = topics;
         *shared.committed.write().unwrap_or_else(|e| e.into_inner()) = committed;
+        *shared.log_id.write().unwrap_or_else(|e| e.into_inner()) = log_id;
         let shared = Arc::new(shared);
         let (requests, receiver) = mpsc::channel();
         let writer = Writer {
@@ -258,6 +295,61 @@ impl RedbLog {
             writer: Some(writer),
             listeners: RwLock::new(Vec::new()),
         }))
+    }
+
+    /// The id of the log kept in `dir`, read without writing anything into the file (redb's
+    /// read-only open), so a log that turns out to be another data dir's is left byte for byte
+    /// as it was. `Unknown` when only an open for writing can tell.
+    pub fn peek_log_id(dir: &Path) -> Result<Peeked, LogError> {
+        let path = dir.join(FILE_NAME);
+        let peek = || -> Result<Peeked, redb::Error> {
+            let db = Database::builder().open_read_only(&path)?;
+            let txn = db.begin_read()?;
+            let table = match txn.open_table(IDENTITY) {
+                Ok(table) => table,
+                Err(TableError::TableDoesNotExist(_)) => return Ok(Peeked::NoLogId),
+                Err(e) => return Err(e.into()),
+            };
+            Ok(match table.get(LOG_ID_KEY)? {
+                Some(id) => Peeked::LogId(id.value().to_string()),
+                None => Peeked::NoLogId,
+            })
+        };
+        match catch_unwind(AssertUnwindSafe(peek)) {
+            Ok(Ok(peeked)) => Ok(peeked),
+            Ok(Err(redb::Error::DatabaseAlreadyOpen)) => Err(LogError::Storage {
+                path: path.display().to_string(),
+                message: "the log is already open (in this or another process)".into(),
+            }),
+            Ok(Err(_)) | Err(_) => Ok(Peeked::Unknown),
+        }
+    }
+
+    /// The log's id; `None` for a log from before ids.
+    pub fn log_id(&self) -> Option<String> {
+        self.shared
+            .log_id
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Gives a log from before ids its id (durably). A log that has one keeps it: an id names
+    /// one log for its whole life.
+    pub fn set_log_id(&self, log_id: &str) -> Result<(), LogError> {
+        if let Some(existing) = self.log_id() {
+            return if existing == log_id {
+                Ok(())
+            } else {
+                Err(self
+                    .shared
+                    .storage(format!("the log already has the id {existing}")))
+            };
+        }
+        self.submit(Op::SetLogId {
+            log_id: log_id.to_string(),
+        })
+        .map(drop)
     }
 
     /// Hands `op` to the writer thread and waits until it is durable (or failed).
@@ -311,9 +403,35 @@ impl Drop for RedbLog {
     }
 }
 
+/// Makes a new log at `path` with its id, beside it and then renamed into place: a crash leaves
+/// no log, or a whole one that has its id, never an empty file.
+fn create_stamped(path: &Path) -> Result<(), String> {
+    let partial = path.with_extension("redb.partial");
+    // Left by a crash in an earlier create: it never was a log.
+    let _ = std::fs::remove_file(&partial);
+    let log_id = crate::datadir::LogId::generate();
+    let write = || -> Result<(), redb::Error> {
+        let db = Database::create(&partial)?;
+        let txn = db.begin_write()?;
+        txn.open_table(IDENTITY)?.insert(LOG_ID_KEY, log_id.as_str())?;
+        txn.commit()?;
+        Ok(db.close()?)
+    };
+    catch_unwind(AssertUnwindSafe(write))
+        .map_err(|_| "redb panicked".to_string())?
+        .map_err(|e| e.to_string())?;
+    std::fs::rename(&partial, path)
+        .and_then(|()| match path.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => std::fs::File::open(parent)?.sync_all(),
+            _ => Ok(()),
+        })
+        .map_err(|e| e.to_string())
+}
+
 type Mirrors = (
     HashMap<String, Arc<TopicMirror>>,
     HashMap<(String, String, u32), u64>,
+    Option<String>,
 );
 
 /// Reads the committed metadata into the mirrors.
@@ -322,10 +440,18 @@ fn load(shared: &Shared) -> Result<Mirrors, LogError> {
     let txn = shared.db.begin_read().map_err(|e| storage(&e))?;
     let mut topics = HashMap::new();
     let mut committed = HashMap::new();
+    let log_id = match txn.open_table(IDENTITY) {
+        Ok(table) => table
+            .get(LOG_ID_KEY)
+            .map_err(|e| storage(&e))?
+            .map(|id| id.value().to_string()),
+        Err(TableError::TableDoesNotExist(_)) => None,
+        Err(e) => return Err(storage(&e)),
+    };
     let topic_table = match txn.open_table(TOPICS) {
         Ok(table) => table,
         // A new file: nothing was ever committed.
-        Err(TableError::TableDoesNotExist(_)) => return Ok((topics, committed)),
+        Err(TableError::TableDoesNotExist(_)) => return Ok((topics, committed, log_id)),
         Err(e) => return Err(storage(&e)),
     };
     let partition_table = txn.open_table(PARTITIONS).map_err(|e| storage(&e))?;
@@ -360,7 +486,7 @@ fn load(shared: &Shared) -> Result<Mirrors, LogError> {
         Err(TableError::TableDoesNotExist(_)) => {}
         Err(e) => return Err(storage(&e)),
     }
-    Ok((topics, committed))
+    Ok((topics, committed, log_id))
 }
 
 /// Changes made by the open transaction, published to the mirrors only once it is durable.
@@ -369,6 +495,7 @@ struct Pending {
     topics: HashMap<String, u32>,
     partitions: HashMap<(String, u32), Meta>,
     committed: Vec<((String, String, u32), u64)>,
+    log_id: Option<String>,
     /// Whether anything was written; a group that wrote nothing is aborted, saving the fsync.
     dirty: bool,
 }
@@ -611,6 +738,18 @@ impl Writer {
                 pending.dirty = true;
                 Ok(Reply::Start(new_start))
             }
+            Op::SetLogId { log_id } => {
+                txn.open_table(IDENTITY)
+                    .and_then(|mut t| {
+                        t.insert(LOG_ID_KEY, log_id.as_str())
+                            .map(drop)
+                            .map_err(Into::into)
+                    })
+                    .map_err(|e| storage(&e))?;
+                pending.log_id = Some(log_id.clone());
+                pending.dirty = true;
+                Ok(Reply::Done)
+            }
         }
     }
 
@@ -634,6 +773,9 @@ impl Writer {
         if !pending.committed.is_empty() {
             let mut committed = self.shared.committed.write().unwrap_or_else(|e| e.into_inner());
             committed.extend(pending.committed);
+        }
+        if let Some(log_id) = pending.log_id {
+            *self.shared.log_id.write().unwrap_or_else(|e| e.into_inner()) = Some(log_id);
         }
     }
 }
@@ -1424,6 +1566,86 @@ mod tests {
                 assert_eq!(read_all(&log, "t", 0).len(), 2_000);
             }
         }
+    }
+
+    #[test]
+    fn a_new_log_draws_an_id_that_it_keeps_and_that_a_peek_reads_without_writing() {
+        let dir = TempDir::new("identity");
+        assert_eq!(
+            RedbLog::peek_log_id(&dir.0).unwrap(),
+            Peeked::Unknown,
+            "no file yet"
+        );
+        let log = RedbLog::open(&dir.0).unwrap();
+        let id = log.log_id().expect("a new log has an id");
+        assert!(crate::datadir::LogId::parse(&id).is_some(), "{id}");
+        log.ensure_topic("t", 1).unwrap();
+        log.append("t", vec![value(1)]).unwrap();
+        assert!(
+            log.set_log_id(&id).is_ok(),
+            "setting the same id again is a no-op"
+        );
+        assert!(matches!(
+            log.set_log_id("0123456789abcdef0123456789abcdef"),
+            Err(LogError::Storage { .. })
+        ));
+        drop(log);
+        let file = dir.0.join(FILE_NAME);
+        let before = std::fs::read(&file).unwrap();
+        assert_eq!(RedbLog::peek_log_id(&dir.0).unwrap(), Peeked::LogId(id.clone()));
+        assert_eq!(std::fs::read(&file).unwrap(), before, "a peek writes nothing");
+        assert_eq!(RedbLog::open(&dir.0).unwrap().log_id(), Some(id));
+        assert!(!dir.0.join("log.redb.partial").exists());
+        // Another log, another id.
+        let other = TempDir::new("identity-other");
+        assert_ne!(
+            RedbLog::open(&other.0).unwrap().log_id(),
+            RedbLog::open(&dir.0).unwrap().log_id()
+        );
+    }
+
+    #[test]
+    fn a_log_from_before_ids_has_none_until_one_is_set() {
+        let dir = TempDir::new("legacy");
+        std::fs::create_dir_all(&dir.0).unwrap();
+        // As the log was written before ids: records, no identity table.
+        {
+            let db = Database::create(dir.0.join(FILE_NAME)).unwrap();
+            let txn = db.begin_write().unwrap();
+            txn.open_table(TOPICS).unwrap().insert("t", 1).unwrap();
+            txn.open_table(PARTITIONS)
+                .unwrap()
+                .insert(("t", 0), (0, 0, 0))
+                .unwrap();
+            txn.commit().unwrap();
+        }
+        assert_eq!(RedbLog::peek_log_id(&dir.0).unwrap(), Peeked::NoLogId);
+        let log = RedbLog::open(&dir.0).unwrap();
+        assert_eq!(log.log_id(), None);
+        log.append("t", vec![value(1)]).unwrap();
+        log.set_log_id("0123456789abcdef0123456789abcdef").unwrap();
+        drop(log);
+        let log = RedbLog::open(&dir.0).unwrap();
+        assert_eq!(log.log_id().as_deref(), Some("0123456789abcdef0123456789abcdef"));
+        assert_eq!(read_all(&log, "t", 0).len(), 1);
+    }
+
+    #[test]
+    fn an_empty_log_file_is_refused_and_left_empty() {
+        let dir = TempDir::new("empty");
+        std::fs::create_dir_all(&dir.0).unwrap();
+        let file = dir.0.join(FILE_NAME);
+        std::fs::write(&file, b"").unwrap();
+        match RedbLog::open(&dir.0) {
+            Err(LogError::Storage { path, message }) => {
+                assert_eq!(path, file.display().to_string());
+                assert!(message.contains("empty"), "{message}");
+            }
+            Err(other) => panic!("expected a storage error, got {other}"),
+            Ok(_) => panic!("an empty log file was accepted"),
+        }
+        assert_eq!(RedbLog::peek_log_id(&dir.0).unwrap(), Peeked::Unknown);
+        assert_eq!(std::fs::metadata(&file).unwrap().len(), 0);
     }
 
     #[test]

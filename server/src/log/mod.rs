@@ -9,7 +9,7 @@ mod durable;
 mod memory;
 pub mod partitioner;
 
-pub use durable::RedbLog;
+pub use durable::{Peeked, RedbLog};
 pub use memory::MemoryLog;
 pub use partitioner::{murmur2, partition_for_key};
 

@@ -14,7 +14,7 @@ mod threads;
 pub use error::RuntimeError;
 
 use crate::config::{CommitMode, Config, ProcessingOrder, RetryPolicy, StoreKind};
-use crate::log::{Log, MemoryLog, ProducerRecord, RecordPosition, RedbLog, Retention, partition_for_key};
+use crate::log::{Log, MemoryLog, ProducerRecord, RecordPosition, Retention, partition_for_key};
 use crate::metadata::*;
 use crate::processor::{self, Processor};
 use bytes::Bytes;
@@ -526,7 +526,7 @@ impl AppBuilder {
             .map_err(|m| crate::config::ConfigError::new("application_server", m))?;
         let log: Arc<dyn Log> = match (self.log, &config.data_dir) {
             (Some(log), _) => log,
-            (None, Some(dir)) => RedbLog::open(dir)?,
+            (None, Some(_)) => crate::datadir::open(&config)?,
             (None, None) => MemoryLog::new(),
         };
         for (topic, partitions) in config.topic_partitions()? {

@@ -3,7 +3,7 @@
 //! key hash so T threads of one task can write at once without one big lock.
 
 mod persistent;
-pub use persistent::{Checkpoint, PersistentStore, StoreError, StoreSnapshot};
+pub use persistent::{Checkpoint, PersistentStore, StoreError, StoreFacts, StoreSnapshot};
 
 use bytes::Bytes;
 use std::collections::BTreeMap;

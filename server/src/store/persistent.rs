@@ -5,7 +5,9 @@
 
 use super::KeyValueStore;
 use bytes::Bytes;
-use redb::{Database, ReadOnlyTable, ReadableDatabase, ReadableTableMetadata, TableDefinition};
+use redb::{
+    Database, ReadOnlyTable, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
+};
 use std::any::Any;
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
@@ -71,6 +73,21 @@ const CHECKPOINT_KEY: &str = "checkpoint";
 /// One row, `retry_done` → the checkpoint's `retry_done` as little-endian u64s.
 const RETRY_DONE: TableDefinition<&str, &[u8]> = TableDefinition::new("retry_done");
 const RETRY_DONE_KEY: &str = "retry_done";
+/// One row, `log_id` → the id of the log this store was created for (`crate::datadir`);
+/// absent in stores from before ids.
+const IDENTITY: TableDefinition<&str, &str> = TableDefinition::new("identity");
+const LOG_ID_KEY: &str = "log_id";
+
+/// What a store file says about itself, as `PersistentStore::inspect` read it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoreFacts {
+    /// The log it was created for; `None` in a store from before ids.
+    pub log_id: Option<String>,
+    pub checkpoint: Option<Checkpoint>,
+    /// Whether reading it took an open for writing with redb's integrity check (a file that
+    /// needed crash recovery), so `verify` has nothing left to do.
+    pub verified: bool,
+}
 
 const SHARDS: usize = 16;
 /// redb's default page cache is 1 GiB per database, and a server holds one store per task. Hot
@@ -222,14 +239,72 @@ fn lock<T>(lock: &Mutex<T>) -> MutexGuard<'_, T> {
     lock.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Makes a rename in `path`'s directory durable.
+fn sync_parent(path: &Path) -> std::io::Result<()> {
+    match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => std::fs::File::open(parent)?.sync_all(),
+        _ => Ok(()),
+    }
+}
+
+/// Refuses an empty file before redb sees it: redb would initialise it as a new database.
+fn refuse_empty(path: &Path) -> Result<(), StoreError> {
+    match std::fs::metadata(path) {
+        Ok(meta) if meta.len() == 0 => Err(StoreError::new(
+            path,
+            "the store is empty (0 bytes): it is damaged, and is left as it is",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Reads the identity and checkpoint of an open database.
+fn read_facts(db: &impl ReadableDatabase) -> Result<(Option<String>, Option<Checkpoint>), redb::Error> {
+    let txn = db.begin_read()?;
+    let log_id = match txn.open_table(IDENTITY) {
+        Ok(table) => table.get(LOG_ID_KEY)?.map(|id| id.value().to_string()),
+        Err(redb::TableError::TableDoesNotExist(_)) => None,
+        Err(e) => return Err(e.into()),
+    };
+    let checkpoint = match txn.open_table(META) {
+        Ok(meta) => meta.get(CHECKPOINT_KEY)?.map(|guard| {
+            let (watermark, retry_offset) = guard.value();
+            Checkpoint {
+                watermark,
+                retry_offset,
+                retry_done: Vec::new(),
+            }
+        }),
+        Err(redb::TableError::TableDoesNotExist(_)) => None,
+        Err(e) => return Err(e.into()),
+    };
+    Ok((log_id, checkpoint))
+}
+
+/// An open for writing that checks the whole file first (redb's integrity check): a damaged
+/// file is an error and nothing is written into it but redb's recovery flag.
+fn open_checked(path: &Path) -> Result<Database, StoreError> {
+    refuse_empty(path)?;
+    guarded(path, || {
+        Ok(Database::builder()
+            .set_cache_size(CACHE_BYTES)
+            .set_check_integrity_on_open(true)
+            .open(path)?)
+    })
+}
+
 impl PersistentStore {
-    /// Opens or creates the store file. Corrupt / unreadable / not a redb file → StoreError naming the file (never reset silently).
+    /// Opens the store file, or creates it when missing (`create` is how a data dir creates its
+    /// stores, with the log's id; `crate::datadir` checks existing ones first). An empty,
+    /// corrupt or unreadable file, or one that is not a redb file, is a StoreError naming the
+    /// file; it is never reset.
     pub fn open(path: &Path) -> Result<PersistentStore, StoreError> {
         if let Some(parent) = path.parent()
             && !parent.as_os_str().is_empty()
         {
             std::fs::create_dir_all(parent).map_err(|e| StoreError::new(path, e))?;
         }
+        refuse_empty(path)?;
         let db = guarded(path, || {
             Ok(Database::builder().set_cache_size(CACHE_BYTES).create(path)?)
         })?;
@@ -255,6 +330,85 @@ impl PersistentStore {
             writer: Mutex::new(()),
             db,
             path: path.to_path_buf(),
+        })
+    }
+
+    /// Creates a new store file for the log `log_id`. Fails if the file exists. The file is
+    /// made whole beside its place and then renamed, so a crash never leaves a store that is
+    /// empty or has no id.
+    pub fn create(path: &Path, log_id: &str) -> Result<(), StoreError> {
+        if let Some(parent) = path.parent()
+            && !parent.as_os_str().is_empty()
+        {
+            std::fs::create_dir_all(parent).map_err(|e| StoreError::new(path, e))?;
+        }
+        if path.exists() {
+            return Err(StoreError::new(path, "cannot create the store: the file exists"));
+        }
+        let partial = path.with_extension("redb.partial");
+        // Left by a crash in an earlier create: it never was a store.
+        let _ = std::fs::remove_file(&partial);
+        guarded(&partial, || {
+            let db = Database::builder().set_cache_size(CACHE_BYTES).create(&partial)?;
+            let mut txn = db.begin_write()?;
+            txn.set_quick_repair(true);
+            txn.open_table(DATA)?;
+            txn.open_table(META)?;
+            txn.open_table(IDENTITY)?.insert(LOG_ID_KEY, log_id)?;
+            txn.commit()?;
+            Ok(db.close()?)
+        })?;
+        std::fs::rename(&partial, path)
+            .and_then(|()| sync_parent(path))
+            .map_err(|e| StoreError::new(path, format_args!("cannot create the store: {e}")))
+    }
+
+    /// What the file says about itself, read without writing to it when redb allows (a file
+    /// closed cleanly: redb's read-only open), so a store that turns out to be another log's
+    /// is left byte for byte as it was. A file that needs crash recovery (every file after a
+    /// SIGKILL) can only be read by an open for writing, with the integrity check, which
+    /// recovers it; a damaged file is an error, with nothing written but redb's recovery flag.
+    pub fn inspect(path: &Path) -> Result<StoreFacts, StoreError> {
+        refuse_empty(path)?;
+        let read_only = catch_unwind(AssertUnwindSafe(|| -> Result<_, redb::Error> {
+            let db = Database::builder().open_read_only(path)?;
+            read_facts(&db)
+        }));
+        if let Ok(Ok((log_id, checkpoint))) = read_only {
+            return Ok(StoreFacts {
+                log_id,
+                checkpoint,
+                verified: false,
+            });
+        }
+        let db = open_checked(path)?;
+        let (log_id, checkpoint) = guarded(path, || read_facts(&db))?;
+        Ok(StoreFacts {
+            log_id,
+            checkpoint,
+            verified: true,
+        })
+    }
+
+    /// Checks the whole file (redb's integrity check). See `open_checked`.
+    pub fn verify(path: &Path) -> Result<(), StoreError> {
+        open_checked(path).map(drop)
+    }
+
+    /// Records `log_id` in a store from before ids; one that has an id keeps it.
+    pub fn set_log_id_if_absent(path: &Path, log_id: &str) -> Result<(), StoreError> {
+        let db = open_checked(path)?;
+        guarded(path, || {
+            let mut txn = db.begin_write()?;
+            txn.set_quick_repair(true);
+            {
+                let mut table = txn.open_table(IDENTITY)?;
+                if table.get(LOG_ID_KEY)?.is_none() {
+                    table.insert(LOG_ID_KEY, log_id)?;
+                }
+            }
+            txn.commit()?;
+            Ok(())
         })
     }
 
@@ -907,6 +1061,93 @@ mod tests {
         assert_eq!(err.path, dir.file().display().to_string());
         assert!(err.message.contains("corrupt"), "{err}");
         assert_eq!(std::fs::read(dir.file()).unwrap(), data);
+    }
+
+    const LOG_ID: &str = "0123456789abcdef0123456789abcdef";
+
+    #[test]
+    fn a_created_store_records_its_log_and_inspect_reads_it_without_writing() {
+        let dir = TempDir::new("identity");
+        let file = dir.file();
+        PersistentStore::create(&file, LOG_ID).unwrap();
+        assert!(
+            PersistentStore::create(&file, LOG_ID).is_err(),
+            "never over an existing file"
+        );
+        assert!(!dir.0.join("store.redb.partial").exists());
+        let facts = PersistentStore::inspect(&file).unwrap();
+        assert_eq!(facts.log_id.as_deref(), Some(LOG_ID));
+        assert_eq!(facts.checkpoint, None);
+        let store = PersistentStore::open(&file).unwrap();
+        store.put(b("k"), b("v"));
+        commit(&store, 7);
+        drop(store);
+        let before = std::fs::read(&file).unwrap();
+        let facts = PersistentStore::inspect(&file).unwrap();
+        assert_eq!(facts.log_id.as_deref(), Some(LOG_ID));
+        assert_eq!(
+            facts.checkpoint.map(|c| (c.watermark, c.retry_offset)),
+            Some((7, 3))
+        );
+        assert!(!facts.verified, "a cleanly closed file is read read-only");
+        assert_eq!(std::fs::read(&file).unwrap(), before, "inspect writes nothing");
+        PersistentStore::verify(&file).unwrap();
+        // A store from before ids gets one; a store that has one keeps it.
+        let legacy = dir.0.join("legacy.redb");
+        drop(PersistentStore::open(&legacy).unwrap());
+        assert_eq!(PersistentStore::inspect(&legacy).unwrap().log_id, None);
+        PersistentStore::set_log_id_if_absent(&legacy, LOG_ID).unwrap();
+        PersistentStore::set_log_id_if_absent(&legacy, "ffffffffffffffffffffffffffffffff").unwrap();
+        assert_eq!(
+            PersistentStore::inspect(&legacy).unwrap().log_id.as_deref(),
+            Some(LOG_ID)
+        );
+    }
+
+    #[test]
+    fn an_empty_store_file_is_refused_by_every_open_and_left_empty() {
+        let dir = TempDir::new("empty");
+        let file = dir.file();
+        std::fs::write(&file, b"").unwrap();
+        for result in [
+            PersistentStore::open(&file).map(drop),
+            PersistentStore::inspect(&file).map(drop),
+            PersistentStore::verify(&file),
+            PersistentStore::set_log_id_if_absent(&file, LOG_ID),
+        ] {
+            let err = result.unwrap_err();
+            assert_eq!(err.path, file.display().to_string());
+            assert!(err.message.contains("empty"), "{err}");
+        }
+        assert_eq!(std::fs::metadata(&file).unwrap().len(), 0);
+    }
+
+    #[test]
+    fn a_damaged_store_is_found_by_inspect_or_verify_and_only_the_recovery_flag_may_change() {
+        let dir = TempDir::new("damaged-inspect");
+        let file = dir.file();
+        PersistentStore::create(&file, LOG_ID).unwrap();
+        let store = PersistentStore::open(&file).unwrap();
+        for i in 0..5000 {
+            store.put(format!("k{i}").into(), Bytes::from(vec![7u8; 100]));
+        }
+        commit(&store, 1);
+        drop(store);
+        let mut data = std::fs::read(&file).unwrap();
+        for byte in &mut data[4096..] {
+            *byte ^= 0xff;
+        }
+        std::fs::write(&file, &data).unwrap();
+        let found = PersistentStore::inspect(&file).and_then(|facts| {
+            assert!(!facts.verified);
+            PersistentStore::verify(&file)
+        });
+        let err = found.expect_err("damage over every page after the header is found");
+        assert_eq!(err.path, file.display().to_string());
+        let after = std::fs::read(&file).unwrap();
+        assert_eq!(after.len(), data.len());
+        let changed: Vec<usize> = (0..data.len()).filter(|&i| after[i] != data[i]).collect();
+        assert!(changed.iter().all(|&i| i == 9), "bytes changed: {changed:?}");
     }
 
     /// Run with `cargo test --release -p taskstream-server --lib persistent -- --ignored --nocapture`.
