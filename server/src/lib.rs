@@ -4,6 +4,8 @@
 //!
 //! Layout (one folder per concern):
 //! - `config`: the typed, validated configuration.
+//! - `datadir`: the data dir's identity, checked at start (which log, which stores).
+//! - `health`: which storage components are failing, since when (feeds gRPC health).
 //! - `log`: the source/sink abstraction (`Log`), the embedded logs (`MemoryLog`,
 //!   `RedbLog` on disk), Kafka's partitioner.
 //! - `processor`: the `Processor` trait and the built-ins.
@@ -20,6 +22,9 @@
 
 pub mod config;
 pub mod datadir;
+#[cfg(test)]
+mod fault_injection;
+pub mod health;
 pub mod log;
 pub mod metadata;
 pub mod metrics;

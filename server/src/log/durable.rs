@@ -8,6 +8,7 @@ use super::{
     AppendListener, Log, LogError, ProducerRecord, Record, RecordPosition, Retention, partition_for_key,
     record_size,
 };
+use crate::health::{StorageComponent, StorageHealth};
 use bytes::Bytes;
 use redb::{
     Database, Durability, ReadableDatabase, ReadableTable, TableDefinition, TableError, WriteTransaction,
@@ -21,7 +22,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 const FILE_NAME: &str = "log.redb";
 
@@ -36,6 +37,9 @@ const COMMITTED: TableDefinition<(&str, &str, u32), u64> = TableDefinition::new(
 /// (`crate::datadir`). Logs from before ids have none until their data dir adopts them.
 const IDENTITY: TableDefinition<&str, &str> = TableDefinition::new("identity");
 const LOG_ID_KEY: &str = "log_id";
+/// `last_probe_ms` → when a failing log last proved it can write again.
+const PROBE: TableDefinition<&str, i64> = TableDefinition::new("probe");
+const PROBE_KEY: &str = "last_probe_ms";
 
 /// What `RedbLog::peek_log_id` could tell without writing to the file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -118,14 +122,27 @@ struct Meta {
     bytes: u64,
 }
 
+/// Opens the log's file again after a storage error (`Builder::open`: an existing file only,
+/// so a log deleted meanwhile is never recreated empty). A parameter so tests can put a
+/// fault-injecting storage backend under the log.
+type Reopen = Box<dyn Fn() -> Result<Database, redb::DatabaseError> + Send + Sync>;
+
+/// Told to callers while the database is closed between a storage error and its reopening.
+const REOPENING: &str = "the log is reopening its file after a storage error; retry shortly";
+
 /// State shared by the callers and the writer thread.
 struct Shared {
     /// The database file, as errors name it.
     path: String,
-    db: Database,
+    /// The open database. After an I/O error redb fails every later operation until the file
+    /// is closed and opened again, which only the writer thread does (`Writer::reopen`); `None`
+    /// while that failed. Readers hold the lock only to begin a transaction.
+    db: RwLock<Option<Database>>,
     topics: RwLock<HashMap<String, Arc<TopicMirror>>>,
     committed: RwLock<HashMap<(String, String, u32), u64>>,
     log_id: RwLock<Option<String>>,
+    listeners: RwLock<Vec<AppendListener>>,
+    health: Arc<StorageHealth>,
 }
 
 impl Shared {
@@ -136,6 +153,28 @@ impl Shared {
         }
     }
 
+    /// A redb error as callers see it: an I/O failure (a full disk, an unreadable block, or
+    /// the latch redb sets after one) is retryable, `Unavailable`, since the log heals by
+    /// reopening its file; anything else means the file itself is wrong.
+    fn fault(&self, error: impl Into<redb::Error>) -> LogError {
+        let error = error.into();
+        if is_io(&error) {
+            LogError::Unavailable(format!(
+                "the log cannot use its file right now ({error}); retry later"
+            ))
+        } else {
+            self.storage(error)
+        }
+    }
+
+    fn begin_read(&self) -> Result<redb::ReadTransaction, LogError> {
+        let db = self.db.read().unwrap_or_else(|e| e.into_inner());
+        let db = db
+            .as_ref()
+            .ok_or_else(|| LogError::Unavailable(REOPENING.into()))?;
+        db.begin_read().map_err(|e| self.fault(e))
+    }
+
     fn topic(&self, topic: &str) -> Result<Arc<TopicMirror>, LogError> {
         self.topics
             .read()
@@ -143,6 +182,23 @@ impl Shared {
             .get(topic)
             .cloned()
             .ok_or_else(|| LogError::UnknownTopic(topic.to_string()))
+    }
+
+    fn notify(&self, topic: &str, partition: u32) {
+        let listeners = self.listeners.read().unwrap_or_else(|e| e.into_inner());
+        for listener in listeners.iter() {
+            listener(topic, partition);
+        }
+    }
+}
+
+/// Whether a redb error comes from the storage under the file rather than from its content.
+fn is_io(error: &redb::Error) -> bool {
+    match error {
+        // InvalidData is how redb reports a file that is not a redb database.
+        redb::Error::Io(io) => io.kind() != std::io::ErrorKind::InvalidData,
+        redb::Error::PreviousIo | redb::Error::DatabaseClosed => true,
+        _ => false,
     }
 }
 
@@ -178,6 +234,9 @@ enum Op {
     SetLogId {
         log_id: String,
     },
+    /// A reader met an I/O error: the writer checks the file (and reopens it) even if nothing
+    /// is written meanwhile.
+    Heal,
 }
 
 impl Op {
@@ -214,7 +273,6 @@ pub struct RedbLog {
     shared: Arc<Shared>,
     requests: Option<mpsc::Sender<Request>>,
     writer: Option<JoinHandle<()>>,
-    listeners: RwLock<Vec<AppendListener>>,
 }
 
 impl RedbLog {
@@ -253,9 +311,7 @@ impl RedbLog {
         // Without the integrity check redb trusts the file and may panic on a damaged one; with
         // it a damaged file is an error. The catch is for whatever the check still misses.
         let opened = catch_unwind(AssertUnwindSafe(|| {
-            Database::builder()
-                .set_check_integrity_on_open(true)
-                .create(&path)
+            Database::builder().set_check_integrity_on_open(true).open(&path)
         }));
         let db = match opened {
             Ok(Ok(db)) => db,
@@ -267,12 +323,26 @@ impl RedbLog {
             Ok(Err(e)) => return Err(storage(format!("cannot open the log: {e}"))),
             Err(_) => return Err(storage("cannot open the log: the file is corrupt".into())),
         };
+        let reopen_path = path.clone();
+        let reopen: Reopen = Box::new(move || Database::builder().open(&reopen_path));
+        RedbLog::start(shown, db, reopen, StorageHealth::new())
+    }
+
+    /// Loads the mirrors from `db` and starts the writer thread.
+    fn start(
+        path: String,
+        db: Database,
+        reopen: Reopen,
+        health: Arc<StorageHealth>,
+    ) -> Result<Arc<RedbLog>, LogError> {
         let shared = Shared {
-            path: shown.clone(),
-            db,
+            path,
+            db: RwLock::new(Some(db)),
             topics: RwLock::new(HashMap::new()),
             committed: RwLock::new(HashMap::new()),
             log_id: RwLock::new(None),
+            listeners: RwLock::new(Vec::new()),
+            health,
         };
         let (topics, committed, log_id) = catch_unwind(AssertUnwindSafe(|| load(&shared)))
             .unwrap_or_else(|_| Err(shared.storage("cannot load the log: the file is corrupt")))?;
@@ -284,16 +354,17 @@ impl RedbLog {
         let writer = Writer {
             shared: shared.clone(),
             requests: receiver,
+            reopen,
+            failing: false,
         };
         let writer = std::thread::Builder::new()
             .name("taskstream-log-writer".into())
             .spawn(move || writer.run())
-            .map_err(|e| storage(format!("cannot start the log writer thread: {e}")))?;
+            .map_err(|e| shared.storage(format!("cannot start the log writer thread: {e}")))?;
         Ok(Arc::new(RedbLog {
             shared,
             requests: Some(requests),
             writer: Some(writer),
-            listeners: RwLock::new(Vec::new()),
         }))
     }
 
@@ -364,6 +435,81 @@ impl RedbLog {
         answer.recv().map_err(|_| stopped())?
     }
 
+    /// `Log::read` without the health bookkeeping of its errors.
+    fn read_records(
+        &self,
+        topic: &str,
+        partition: u32,
+        offset: u64,
+        max: usize,
+        out: &mut Vec<Record>,
+    ) -> Result<(), LogError> {
+        let mirror = self.shared.topic(topic)?;
+        let part = mirror.partition(topic, partition)?;
+        let start = part.start.load(Ordering::Acquire);
+        if offset < start {
+            return Err(LogError::OffsetOutOfRange {
+                topic: topic.to_string(),
+                partition,
+                requested: offset,
+                earliest: start,
+            });
+        }
+        // Only up to the published end: what `end_offset` answers and listeners announced.
+        // The mirror is published after its commit, so the snapshot below holds all of it.
+        let end = part.end.load(Ordering::Acquire);
+        if offset >= end || max == 0 {
+            return Ok(());
+        }
+        let want = max.min((end - offset).min(usize::MAX as u64) as usize);
+        let txn = self.shared.begin_read()?;
+        let table = match txn.open_table(records_table(&part.table)) {
+            Ok(table) => table,
+            Err(TableError::TableDoesNotExist(_)) => {
+                return self.missing_records(&txn, topic, partition, offset);
+            }
+            Err(e) => return Err(self.shared.fault(e)),
+        };
+        out.reserve(want);
+        let mut next = offset;
+        for entry in table
+            .range(offset..end)
+            .map_err(|e| self.shared.fault(e))?
+            .take(want)
+        {
+            let (key, raw) = entry.map_err(|e| self.shared.fault(e))?;
+            if key.value() != next {
+                return self.missing_records(&txn, topic, partition, next);
+            }
+            let record = decode(raw.value(), partition, next).map_err(|e| {
+                self.shared
+                    .storage(format!("record {next} of {topic}-{partition}: {e}"))
+            })?;
+            out.push(record);
+            next += 1;
+        }
+        if next - offset < want as u64 {
+            return self.missing_records(&txn, topic, partition, next);
+        }
+        Ok(())
+    }
+
+    /// Passes a read's error on; an I/O failure also counts against the log's health and asks
+    /// the writer thread to check the file, which it reopens if redb latched the failure.
+    fn reader_fault(&self, error: LogError) -> LogError {
+        if let LogError::Unavailable(message) = &error {
+            self.shared
+                .health
+                .failed(StorageComponent::Log, &self.shared.path, message);
+            if let Some(requests) = &self.requests {
+                // Nobody waits for the answer.
+                let (reply, _) = mpsc::sync_channel(1);
+                let _ = requests.send(Request { op: Op::Heal, reply });
+            }
+        }
+        error
+    }
+
     /// Explains a read that found no record at `offset`: retention that ran between the mirror
     /// check and the snapshot (out of range, with the snapshot's start), or a damaged file.
     fn missing_records(
@@ -373,11 +519,10 @@ impl RedbLog {
         partition: u32,
         offset: u64,
     ) -> Result<(), LogError> {
-        let storage = |e: &dyn Display| self.shared.storage(e);
-        let table = txn.open_table(PARTITIONS).map_err(|e| storage(&e))?;
+        let table = txn.open_table(PARTITIONS).map_err(|e| self.shared.fault(e))?;
         let start = table
             .get((topic, partition))
-            .map_err(|e| storage(&e))?
+            .map_err(|e| self.shared.fault(e))?
             .map(|row| row.value().0);
         match start {
             Some(start) if offset < start => Err(LogError::OffsetOutOfRange {
@@ -436,32 +581,31 @@ type Mirrors = (
 
 /// Reads the committed metadata into the mirrors.
 fn load(shared: &Shared) -> Result<Mirrors, LogError> {
-    let storage = |e: &dyn Display| shared.storage(e);
-    let txn = shared.db.begin_read().map_err(|e| storage(&e))?;
+    let txn = shared.begin_read()?;
     let mut topics = HashMap::new();
     let mut committed = HashMap::new();
     let log_id = match txn.open_table(IDENTITY) {
         Ok(table) => table
             .get(LOG_ID_KEY)
-            .map_err(|e| storage(&e))?
+            .map_err(|e| shared.fault(e))?
             .map(|id| id.value().to_string()),
         Err(TableError::TableDoesNotExist(_)) => None,
-        Err(e) => return Err(storage(&e)),
+        Err(e) => return Err(shared.fault(e)),
     };
     let topic_table = match txn.open_table(TOPICS) {
         Ok(table) => table,
         // A new file: nothing was ever committed.
         Err(TableError::TableDoesNotExist(_)) => return Ok((topics, committed, log_id)),
-        Err(e) => return Err(storage(&e)),
+        Err(e) => return Err(shared.fault(e)),
     };
-    let partition_table = txn.open_table(PARTITIONS).map_err(|e| storage(&e))?;
-    for entry in topic_table.iter().map_err(|e| storage(&e))? {
-        let (name, count) = entry.map_err(|e| storage(&e))?;
+    let partition_table = txn.open_table(PARTITIONS).map_err(|e| shared.fault(e))?;
+    for entry in topic_table.iter().map_err(|e| shared.fault(e))? {
+        let (name, count) = entry.map_err(|e| shared.fault(e))?;
         let (name, count) = (name.value(), count.value());
         // Not sized from the file: a damaged count must not ask for an absurd allocation.
         let mut metas = Vec::new();
         for p in 0..count {
-            let row = partition_table.get((name, p)).map_err(|e| storage(&e))?;
+            let row = partition_table.get((name, p)).map_err(|e| shared.fault(e))?;
             let Some(row) = row else {
                 return Err(shared.storage(format!("no metadata for partition {p} of topic `{name}`")));
             };
@@ -477,14 +621,14 @@ fn load(shared: &Shared) -> Result<Mirrors, LogError> {
     }
     match txn.open_table(COMMITTED) {
         Ok(table) => {
-            for entry in table.iter().map_err(|e| storage(&e))? {
-                let (key, offset) = entry.map_err(|e| storage(&e))?;
+            for entry in table.iter().map_err(|e| shared.fault(e))? {
+                let (key, offset) = entry.map_err(|e| shared.fault(e))?;
                 let (group, topic, partition) = key.value();
                 committed.insert((group.to_string(), topic.to_string(), partition), offset.value());
             }
         }
         Err(TableError::TableDoesNotExist(_)) => {}
-        Err(e) => return Err(storage(&e)),
+        Err(e) => return Err(shared.fault(e)),
     }
     Ok((topics, committed, log_id))
 }
@@ -509,14 +653,42 @@ impl Pending {
     }
 }
 
+/// How often a failing log checks whether it can write again, at first and at most.
+const PROBE_MIN: Duration = Duration::from_millis(100);
+const PROBE_MAX: Duration = Duration::from_secs(2);
+
 struct Writer {
     shared: Arc<Shared>,
     requests: mpsc::Receiver<Request>,
+    reopen: Reopen,
+    /// From a storage error until a write succeeds again. Meanwhile the thread also wakes on
+    /// its own to probe the file, so the log recovers (and says so) even if nobody writes.
+    failing: bool,
 }
 
 impl Writer {
-    fn run(self) {
-        while let Ok(first) = self.requests.recv() {
+    fn run(mut self) {
+        let mut probe_after = PROBE_MIN;
+        loop {
+            let first = if self.failing {
+                match self.requests.recv_timeout(probe_after) {
+                    Ok(request) => request,
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        probe_after = if self.probe() {
+                            PROBE_MIN
+                        } else {
+                            (probe_after * 2).min(PROBE_MAX)
+                        };
+                        continue;
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            } else {
+                match self.requests.recv() {
+                    Ok(request) => request,
+                    Err(_) => break,
+                }
+            };
             let mut weight = first.op.weight();
             let mut group = vec![first];
             while group.len() < MAX_GROUP_REQUESTS && weight < MAX_GROUP_BYTES {
@@ -532,10 +704,21 @@ impl Writer {
         }
     }
 
-    fn apply_group(&self, group: Vec<Request>) {
+    fn apply_group(&mut self, group: Vec<Request>) {
+        if group.iter().any(|r| matches!(r.op, Op::Heal)) {
+            // Checked by a write: the group's own, or the next probe.
+            self.failing = true;
+        }
+        let closed = self.shared.db.read().unwrap_or_else(|e| e.into_inner()).is_none();
+        if closed && let Err(error) = self.reopen() {
+            for request in group {
+                let _ = request.reply.send(Err(error.clone()));
+            }
+            return;
+        }
         let mut pending = Pending::default();
         // A panic inside redb must not leave callers waiting forever: they get an error, and
-        // the thread keeps serving (redb repairs the leaked pages on the next open).
+        // the thread keeps serving (the reopen below repairs the leaked pages).
         let outcome =
             catch_unwind(AssertUnwindSafe(|| self.run_group(&group, &mut pending))).unwrap_or_else(|_| {
                 Err(self
@@ -544,16 +727,138 @@ impl Writer {
             });
         match outcome {
             Ok(results) => {
+                let wrote = pending.dirty;
                 self.publish(pending);
+                if self.failing && wrote {
+                    self.recovered();
+                }
                 for (request, result) in group.into_iter().zip(results) {
                     let _ = request.reply.send(result);
                 }
             }
             Err(error) => {
+                // Answered first: the callers may retry while the file is reopened.
                 for request in group {
                     let _ = request.reply.send(Err(error.clone()));
                 }
+                self.failed(&error);
             }
+        }
+    }
+
+    /// A storage error: counted, reported, and the file reopened at once, so reads work
+    /// again as soon as redb can read it (a full disk still reads).
+    fn failed(&mut self, error: &LogError) {
+        self.shared
+            .health
+            .failed(StorageComponent::Log, &self.shared.path, error);
+        self.failing = true;
+        if let Err(error) = self.reopen() {
+            tracing::warn!(log = %self.shared.path, %error, "cannot reopen the log yet; retrying");
+        }
+    }
+
+    fn recovered(&mut self) {
+        self.failing = false;
+        self.shared
+            .health
+            .recovered(StorageComponent::Log, &self.shared.path);
+    }
+
+    /// Whether the log can write again: reopens the file if it is closed, then commits a small
+    /// durable write. Runs only while failing.
+    fn probe(&mut self) -> bool {
+        let closed = self.shared.db.read().unwrap_or_else(|e| e.into_inner()).is_none();
+        if closed && self.reopen().is_err() {
+            return false;
+        }
+        let write = || -> Result<(), redb::Error> {
+            let db = self.shared.db.read().unwrap_or_else(|e| e.into_inner());
+            let Some(db) = db.as_ref() else {
+                return Err(redb::Error::DatabaseClosed);
+            };
+            let mut txn = db.begin_write()?;
+            txn.set_durability(Durability::Immediate)?;
+            txn.open_table(PROBE)?.insert(PROBE_KEY, now_ms())?;
+            txn.commit()?;
+            Ok(())
+        };
+        let result = catch_unwind(AssertUnwindSafe(write))
+            .unwrap_or_else(|_| Err(redb::Error::Corrupted("redb panicked in a probe".into())));
+        match result {
+            Ok(()) => {
+                self.recovered();
+                true
+            }
+            Err(e) => {
+                let error = self.shared.fault(e);
+                self.failed(&error);
+                false
+            }
+        }
+    }
+
+    /// Closes the database and opens the file again: redb's way out of an I/O error. Read
+    /// transactions still open on the old database fail (`DatabaseClosed`, retryable); the
+    /// mirrors are reloaded from the file, which may hold a commit that reported failure after
+    /// it reached the disk.
+    fn reopen(&mut self) -> Result<(), LogError> {
+        let mut slot = self.shared.db.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(old) = slot.take() {
+            // Fails after an I/O error (it cannot record a clean shutdown): the open below then
+            // recovers the file as after a crash.
+            let _ = old.close();
+        }
+        let opened = catch_unwind(AssertUnwindSafe(|| (self.reopen)())).unwrap_or_else(|_| {
+            Err(redb::DatabaseError::Storage(redb::StorageError::Corrupted(
+                "redb panicked".into(),
+            )))
+        });
+        let db = opened.map_err(|e| self.shared.fault(e))?;
+        *slot = Some(db);
+        drop(slot);
+        let (topics, committed, log_id) = catch_unwind(AssertUnwindSafe(|| load(&self.shared)))
+            .unwrap_or_else(|_| Err(self.shared.storage("cannot load the log: the file is corrupt")))?;
+        self.refresh(topics, committed, log_id);
+        tracing::info!(log = %self.shared.path, "log file reopened");
+        Ok(())
+    }
+
+    /// Makes the mirrors what the file holds, and wakes the listeners of partitions that grew.
+    fn refresh(
+        &self,
+        topics: HashMap<String, Arc<TopicMirror>>,
+        committed: HashMap<(String, String, u32), u64>,
+        log_id: Option<String>,
+    ) {
+        let mut grew = Vec::new();
+        {
+            let mut mirrors = self.shared.topics.write().unwrap_or_else(|e| e.into_inner());
+            for (name, loaded) in topics {
+                match mirrors.get(&name) {
+                    Some(mirror) if mirror.partitions.len() == loaded.partitions.len() => {
+                        for (p, (old, new)) in mirror.partitions.iter().zip(&loaded.partitions).enumerate() {
+                            let end = new.end.load(Ordering::Acquire);
+                            if end > old.end.load(Ordering::Acquire) {
+                                grew.push((name.clone(), p as u32));
+                            }
+                            old.start
+                                .store(new.start.load(Ordering::Acquire), Ordering::Release);
+                            old.bytes
+                                .store(new.bytes.load(Ordering::Acquire), Ordering::Release);
+                            old.end.store(end, Ordering::Release);
+                        }
+                    }
+                    _ => {
+                        mirrors.insert(name, loaded);
+                    }
+                }
+            }
+        }
+        *self.shared.committed.write().unwrap_or_else(|e| e.into_inner()) = committed;
+        *self.shared.log_id.write().unwrap_or_else(|e| e.into_inner()) = log_id;
+        for (topic, partition) in grew {
+            self.shared.notify(&topic, partition);
         }
     }
 
@@ -565,28 +870,30 @@ impl Writer {
         group: &[Request],
         pending: &mut Pending,
     ) -> Result<Vec<Result<Reply, LogError>>, LogError> {
-        let storage = |e: &dyn Display| self.shared.storage(e);
-        let mut txn = self.shared.db.begin_write().map_err(|e| storage(&e))?;
+        let db = self.shared.db.read().unwrap_or_else(|e| e.into_inner());
+        let db = db
+            .as_ref()
+            .ok_or_else(|| LogError::Unavailable(REOPENING.into()))?;
+        let mut txn = db.begin_write().map_err(|e| self.shared.fault(e))?;
         // redb's default, stated because callers are told "durable" the moment commit returns.
         txn.set_durability(Durability::Immediate)
-            .map_err(|e| storage(&e))?;
+            .map_err(|e| self.shared.fault(e))?;
         let mut results = Vec::with_capacity(group.len());
         for request in group {
             match self.apply(&txn, &request.op, pending) {
-                Err(error @ LogError::Storage { .. }) => return Err(error),
+                Err(error @ (LogError::Storage { .. } | LogError::Unavailable(_))) => return Err(error),
                 result => results.push(result),
             }
         }
         if pending.dirty {
-            txn.commit().map_err(|e| storage(&e))?;
+            txn.commit().map_err(|e| self.shared.fault(e))?;
         } else {
-            txn.abort().map_err(|e| storage(&e))?;
+            txn.abort().map_err(|e| self.shared.fault(e))?;
         }
         Ok(results)
     }
 
     fn apply(&self, txn: &WriteTransaction, op: &Op, pending: &mut Pending) -> Result<Reply, LogError> {
-        let storage = |e: &dyn Display| self.shared.storage(e);
         match op {
             Op::EnsureTopic { topic, partitions } => {
                 let existing = match pending.topics.get(topic) {
@@ -605,12 +912,12 @@ impl Writer {
                 }
                 txn.open_table(TOPICS)
                     .and_then(|mut t| t.insert(topic.as_str(), partitions).map(drop).map_err(Into::into))
-                    .map_err(|e| storage(&e))?;
-                let mut table = txn.open_table(PARTITIONS).map_err(|e| storage(&e))?;
+                    .map_err(|e| self.shared.fault(e))?;
+                let mut table = txn.open_table(PARTITIONS).map_err(|e| self.shared.fault(e))?;
                 for p in 0..*partitions {
                     table
                         .insert((topic.as_str(), p), (0, 0, 0))
-                        .map_err(|e| storage(&e))?;
+                        .map_err(|e| self.shared.fault(e))?;
                     pending.partitions.insert((topic.clone(), p), Meta::default());
                 }
                 pending.topics.insert(topic.clone(), *partitions);
@@ -632,16 +939,18 @@ impl Writer {
                     };
                     records.len()
                 ];
-                let mut metas = txn.open_table(PARTITIONS).map_err(|e| storage(&e))?;
+                let mut metas = txn.open_table(PARTITIONS).map_err(|e| self.shared.fault(e))?;
                 for run in order.chunk_by(|&a, &b| records[a].partition == records[b].partition) {
                     let partition = records[run[0]].partition;
                     let mut meta = pending.meta(topic, &mirror, partition);
                     let name = &mirror.partitions[partition as usize].table;
-                    let mut table = txn.open_table(records_table(name)).map_err(|e| storage(&e))?;
+                    let mut table = txn
+                        .open_table(records_table(name))
+                        .map_err(|e| self.shared.fault(e))?;
                     for &i in run {
                         table
                             .insert(meta.end, records[i].data.as_slice())
-                            .map_err(|e| storage(&e))?;
+                            .map_err(|e| self.shared.fault(e))?;
                         positions[i] = RecordPosition {
                             partition,
                             offset: meta.end,
@@ -651,7 +960,7 @@ impl Writer {
                     }
                     metas
                         .insert((topic.as_str(), partition), (meta.start, meta.end, meta.bytes))
-                        .map_err(|e| storage(&e))?;
+                        .map_err(|e| self.shared.fault(e))?;
                     pending.partitions.insert((topic.clone(), partition), meta);
                 }
                 pending.dirty = true;
@@ -670,7 +979,7 @@ impl Writer {
                             .map(drop)
                             .map_err(Into::into)
                     })
-                    .map_err(|e| storage(&e))?;
+                    .map_err(|e| self.shared.fault(e))?;
                 pending
                     .committed
                     .push(((group.clone(), topic.clone(), *partition), *offset));
@@ -694,11 +1003,13 @@ impl Writer {
                 let oldest_kept = retention
                     .max_age_ms
                     .map(|age| now_ms.saturating_sub(age.min(i64::MAX as u64) as i64));
-                let mut table = txn.open_table(records_table(name)).map_err(|e| storage(&e))?;
+                let mut table = txn
+                    .open_table(records_table(name))
+                    .map_err(|e| self.shared.fault(e))?;
                 let mut new_start = meta.start;
                 let mut bytes = meta.bytes;
-                for entry in table.range(meta.start..limit).map_err(|e| storage(&e))? {
-                    let (offset, raw) = entry.map_err(|e| storage(&e))?;
+                for entry in table.range(meta.start..limit).map_err(|e| self.shared.fault(e))? {
+                    let (offset, raw) = entry.map_err(|e| self.shared.fault(e))?;
                     if offset.value() != new_start {
                         return Err(self
                             .shared
@@ -724,7 +1035,7 @@ impl Writer {
                 }
                 table
                     .retain_in(meta.start..new_start, |_, _| false)
-                    .map_err(|e| storage(&e))?;
+                    .map_err(|e| self.shared.fault(e))?;
                 meta.start = new_start;
                 meta.bytes = bytes;
                 txn.open_table(PARTITIONS)
@@ -733,11 +1044,12 @@ impl Writer {
                             .map(drop)
                             .map_err(Into::into)
                     })
-                    .map_err(|e| storage(&e))?;
+                    .map_err(|e| self.shared.fault(e))?;
                 pending.partitions.insert((topic.clone(), *partition), meta);
                 pending.dirty = true;
                 Ok(Reply::Start(new_start))
             }
+            Op::Heal => Ok(Reply::Done),
             Op::SetLogId { log_id } => {
                 txn.open_table(IDENTITY)
                     .and_then(|mut t| {
@@ -745,7 +1057,7 @@ impl Writer {
                             .map(drop)
                             .map_err(Into::into)
                     })
-                    .map_err(|e| storage(&e))?;
+                    .map_err(|e| self.shared.fault(e))?;
                 pending.log_id = Some(log_id.clone());
                 pending.dirty = true;
                 Ok(Reply::Done)
@@ -857,11 +1169,8 @@ impl Log for RedbLog {
         let mut touched: Vec<u32> = positions.iter().map(|p| p.partition).collect();
         touched.sort_unstable();
         touched.dedup();
-        let listeners = self.listeners.read().unwrap_or_else(|e| e.into_inner());
         for partition in touched {
-            for listener in listeners.iter() {
-                listener(topic, partition);
-            }
+            self.shared.notify(topic, partition);
         }
         Ok(positions)
     }
@@ -874,51 +1183,8 @@ impl Log for RedbLog {
         max: usize,
         out: &mut Vec<Record>,
     ) -> Result<(), LogError> {
-        let mirror = self.shared.topic(topic)?;
-        let part = mirror.partition(topic, partition)?;
-        let start = part.start.load(Ordering::Acquire);
-        if offset < start {
-            return Err(LogError::OffsetOutOfRange {
-                topic: topic.to_string(),
-                partition,
-                requested: offset,
-                earliest: start,
-            });
-        }
-        // Only up to the published end: what `end_offset` answers and listeners announced.
-        // The mirror is published after its commit, so the snapshot below holds all of it.
-        let end = part.end.load(Ordering::Acquire);
-        if offset >= end || max == 0 {
-            return Ok(());
-        }
-        let want = max.min((end - offset).min(usize::MAX as u64) as usize);
-        let storage = |e: &dyn Display| self.shared.storage(e);
-        let txn = self.shared.db.begin_read().map_err(|e| storage(&e))?;
-        let table = match txn.open_table(records_table(&part.table)) {
-            Ok(table) => table,
-            Err(TableError::TableDoesNotExist(_)) => {
-                return self.missing_records(&txn, topic, partition, offset);
-            }
-            Err(e) => return Err(storage(&e)),
-        };
-        out.reserve(want);
-        let mut next = offset;
-        for entry in table.range(offset..end).map_err(|e| storage(&e))?.take(want) {
-            let (key, raw) = entry.map_err(|e| storage(&e))?;
-            if key.value() != next {
-                return self.missing_records(&txn, topic, partition, next);
-            }
-            let record = decode(raw.value(), partition, next).map_err(|e| {
-                self.shared
-                    .storage(format!("record {next} of {topic}-{partition}: {e}"))
-            })?;
-            out.push(record);
-            next += 1;
-        }
-        if next - offset < want as u64 {
-            return self.missing_records(&txn, topic, partition, next);
-        }
-        Ok(())
+        self.read_records(topic, partition, offset, max, out)
+            .map_err(|e| self.reader_fault(e))
     }
 
     fn end_offset(&self, topic: &str, partition: u32) -> Result<u64, LogError> {
@@ -953,8 +1219,13 @@ impl Log for RedbLog {
             .copied())
     }
 
+    fn storage_health(&self) -> Option<Arc<StorageHealth>> {
+        Some(self.shared.health.clone())
+    }
+
     fn add_append_listener(&self, listener: AppendListener) {
-        self.listeners
+        self.shared
+            .listeners
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .push(listener);
@@ -1657,6 +1928,110 @@ mod tests {
         // The writer thread has stopped and released the file.
         let log = RedbLog::open(&dir.0).unwrap();
         log.ensure_topic("t", 1).unwrap();
+    }
+
+    /// A `RedbLog` in `dir` whose file sits on a disk that can be filled, and its switch.
+    fn log_on_fullable_disk(dir: &Path) -> (Arc<RedbLog>, Arc<std::sync::atomic::AtomicBool>) {
+        std::fs::create_dir_all(dir).unwrap();
+        let path = dir.join(FILE_NAME);
+        let full = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let open = crate::fault_injection::opener(&path, &full);
+        let db = open().unwrap();
+        let log = RedbLog::start(
+            path.display().to_string(),
+            db,
+            Box::new(open),
+            StorageHealth::new(),
+        )
+        .unwrap();
+        (log, full)
+    }
+
+    /// Polls `done` until it holds, for at most 10 s.
+    fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !done() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{what} did not happen within 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn a_full_disk_fails_appends_as_unavailable_and_the_log_heals_without_a_reopen_by_its_owner() {
+        let dir = TempDir::new("enospc");
+        let (log, full) = log_on_fullable_disk(&dir.0);
+        let health = log.storage_health().unwrap();
+        log.ensure_topic("t", 2).unwrap();
+        let batch = |n: usize, tag: &str| -> Vec<ProducerRecord> {
+            (0..n)
+                .map(|i| ProducerRecord {
+                    value: format!("{tag}-{i}-{}", "x".repeat(1000)).into(),
+                    partition: Some((i % 2) as u32),
+                    ..Default::default()
+                })
+                .collect()
+        };
+        let mut acked = Vec::new();
+        log.append("t", batch(100, "before")).unwrap();
+        acked.extend((0..100).map(|i| format!("before-{i}")));
+
+        full.store(true, Ordering::Release);
+        // The file has some room inside; appends fail once it must grow.
+        let mut failures = 0;
+        for round in 0..1000 {
+            let tag = format!("full{round}");
+            match log.append("t", batch(50, &tag)) {
+                Ok(_) => acked.extend((0..50).map(|i| format!("{tag}-{i}"))),
+                Err(LogError::Unavailable(message)) => {
+                    assert!(message.contains("No space left on device"), "{message}");
+                    failures += 1;
+                    if failures == 3 {
+                        break;
+                    }
+                }
+                Err(other) => panic!("a full disk must be retryable, got {other}"),
+            }
+        }
+        assert_eq!(failures, 3, "the disk never filled up");
+        // The writer answers before it records the failure and reopens the file.
+        eventually("the failure on record", || {
+            health.is_failing(StorageComponent::Log)
+        });
+        // Reads go on once the file is reopened: a full disk still reads.
+        eventually("reading during the outage", || {
+            let mut out = Vec::new();
+            log.read("t", 0, 0, 10, &mut out).is_ok() && out.len() == 10
+        });
+
+        full.store(false, Ordering::Release);
+        // Nobody writes: the log's own probe finds the room and recovers.
+        eventually("recovery", || !health.is_failing(StorageComponent::Log));
+        log.append("t", batch(100, "after")).unwrap();
+        acked.extend((0..100).map(|i| format!("after-{i}")));
+
+        let mut stored = Vec::new();
+        for partition in 0..2 {
+            let records = read_all(&log, "t", partition);
+            for (i, record) in records.iter().enumerate() {
+                assert_eq!(record.offset, i as u64, "offsets stay contiguous");
+            }
+            stored.extend(records.into_iter().map(|r| {
+                let value = String::from_utf8(r.value.to_vec()).unwrap();
+                value.split('-').take(2).collect::<Vec<_>>().join("-")
+            }));
+        }
+        stored.sort();
+        acked.sort();
+        assert_eq!(stored, acked, "every acknowledged record, and only those");
+        drop(log);
+        let reopened = RedbLog::open(&dir.0).unwrap();
+        assert_eq!(
+            (0..2).map(|p| read_all(&reopened, "t", p).len()).sum::<usize>(),
+            acked.len()
+        );
     }
 
     const CRASH_DIR_ENV: &str = "TASKSTREAM_REDBLOG_CRASH_DIR";

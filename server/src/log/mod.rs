@@ -155,6 +155,12 @@ pub trait Log: Send + Sync + 'static {
     /// Registers a listener called after every append.
     fn add_append_listener(&self, listener: AppendListener);
 
+    /// What says whether the storage under the log is failing, for a log kept on storage that
+    /// can fail (`RedbLog`); `None` for one that cannot.
+    fn storage_health(&self) -> Option<Arc<crate::health::StorageHealth>> {
+        None
+    }
+
     /// Removes the oldest records of a partition that `retention` no longer
     /// keeps, never one at or after `keep_from`; answers the new start offset.
     fn enforce_retention(

@@ -14,6 +14,7 @@ pub const DEAD_LETTERED: &str = "taskstream_dead_letter_records";
 pub const LAG: &str = "taskstream_lag_records";
 pub const THREADS: &str = "taskstream_stream_threads";
 pub const COMMITS: &str = "taskstream_commits_total";
+pub const STORAGE_ERRORS: &str = "taskstream_storage_errors_total";
 
 fn describe() {
     metrics::describe_counter!(
@@ -34,6 +35,10 @@ fn describe() {
         "Stream threads by state (owner, helper, reserve, retry, stopping)"
     );
     metrics::describe_counter!(COMMITS, "Task commits by result (ok, error)");
+    metrics::describe_counter!(
+        STORAGE_ERRORS,
+        "Failed storage operations by component (log, store); each heals or keeps failing"
+    );
 }
 
 /// Installs the process-wide Prometheus recorder (once; later calls return the same handle).

@@ -19,9 +19,11 @@ pub use status::{
 };
 pub use streams::StreamsHandler;
 
+use crate::health::{StorageComponent, StorageHealth};
 use crate::runtime::{RuntimeError, StreamsApp};
 use std::future::Future;
 use std::pin::pin;
+use std::sync::Arc;
 use std::time::Duration;
 use taskstream::v1::admin_service_server::AdminServiceServer;
 use taskstream::v1::streams_service_server::StreamsServiceServer;
@@ -44,6 +46,10 @@ const HEALTH_SERVICES: [&str; 3] = [
     <StreamsServiceServer<StreamsHandler> as NamedService>::NAME,
     <AdminServiceServer<AdminHandler> as NamedService>::NAME,
 ];
+
+/// The health statuses that follow the log's storage.
+const HEALTH_SERVICES_NEEDING_THE_LOG: [&str; 2] =
+    ["", <StreamsServiceServer<StreamsHandler> as NamedService>::NAME];
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -71,6 +77,11 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, ServingStatus::Serving).await;
+    // While the log cannot write, the services that need it say so; until shutdown.
+    let mut storage_follower = app
+        .log()
+        .storage_health()
+        .map(|storage| tokio::spawn(follow_storage(health.clone(), storage)));
 
     // Both reflection versions: grpcurl 1.8.6 (PyPI) only speaks v1alpha. The
     // health and google.rpc descriptors let clients describe health and decode
@@ -110,6 +121,7 @@ pub async fn serve(
             // The server stopped without being asked (the listener failed):
             // still drain the app so no work in hand is lost.
             tracing::error!("gRPC server stopped unexpectedly; shutting the runtime down");
+            stop_following(&mut storage_follower).await;
             let drained = drain(&app, &health).await;
             result?;
             return drained.map_err(ServeError::Shutdown);
@@ -120,6 +132,7 @@ pub async fn serve(
     // Drain while the server still answers: clients get a retryable UNAVAILABLE
     // instead of a refused connection, and open outcome streams end with it.
     tracing::info!("shutting down: draining the runtime and committing watermarks");
+    stop_following(&mut storage_follower).await;
     let drained = {
         let mut drain = pin!(drain(&app, &health));
         tokio::select! {
@@ -145,6 +158,34 @@ pub async fn serve(
         ),
     }
     drained.map_err(ServeError::Shutdown)
+}
+
+/// Keeps the health of the services that need the log (StreamsService, and the server as a
+/// whole) in step with the log's storage: NOT_SERVING while it cannot write, SERVING once it
+/// recovered. AdminService does not need the log and stays SERVING.
+async fn follow_storage(health: HealthReporter, storage: Arc<StorageHealth>) {
+    let mut changes = storage.subscribe();
+    loop {
+        let status = if storage.is_failing(StorageComponent::Log) {
+            ServingStatus::NotServing
+        } else {
+            ServingStatus::Serving
+        };
+        for service in HEALTH_SERVICES_NEEDING_THE_LOG {
+            health.set_service_status(service, status).await;
+        }
+        if changes.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Ends `follow_storage` before shutdown sets NOT_SERVING, so it cannot set SERVING after.
+async fn stop_following(follower: &mut Option<tokio::task::JoinHandle<()>>) {
+    if let Some(follower) = follower.take() {
+        follower.abort();
+        let _ = follower.await;
+    }
 }
 
 async fn set_health(health: &HealthReporter, status: ServingStatus) {

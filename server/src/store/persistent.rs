@@ -220,9 +220,28 @@ pub struct PersistentStore {
     pending: Mutex<Option<Arc<[Arc<Layer>]>>>,
     /// Serialises `finish_commit`s without making `begin_commit` wait for one.
     writer: Mutex<()>,
-    // Declared last: the cached read transaction above is dropped before the database.
-    db: Database,
+    /// Only `finish_commit` uses it (reads go through `committed`). After an I/O error redb
+    /// fails every later operation until the file is reopened, which `finish_commit` does at
+    /// once (`reopen`); `None` while that failed. Declared after `committed`: the cached read
+    /// transaction is dropped before the database.
+    db: Mutex<Option<Database>>,
+    /// Opens the file again; a parameter so tests can put a failing disk under the store.
+    reopen: Reopen,
     path: PathBuf,
+}
+
+/// How `PersistentStore` opens its file again after a storage error.
+type Reopen = Box<dyn Fn() -> Result<Database, redb::DatabaseError> + Send + Sync>;
+
+/// Whether a redb error comes from the storage under the file rather than from its content:
+/// what reopening the file can heal once the storage works again.
+fn is_io(error: &redb::Error) -> bool {
+    match error {
+        // InvalidData is how redb reports a file that is not a redb database.
+        redb::Error::Io(io) => io.kind() != std::io::ErrorKind::InvalidData,
+        redb::Error::PreviousIo | redb::Error::DatabaseClosed => true,
+        _ => false,
+    }
 }
 
 fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
@@ -308,6 +327,16 @@ impl PersistentStore {
         let db = guarded(path, || {
             Ok(Database::builder().set_cache_size(CACHE_BYTES).create(path)?)
         })?;
+        let reopen_path = path.to_path_buf();
+        let reopen: Reopen = Box::new(move || {
+            // An existing file only: a store deleted meanwhile is not recreated empty.
+            Database::builder().set_cache_size(CACHE_BYTES).open(&reopen_path)
+        });
+        PersistentStore::start(path, db, reopen)
+    }
+
+    /// Makes sure the tables exist and loads the last commit.
+    fn start(path: &Path, db: Database, reopen: Reopen) -> Result<PersistentStore, StoreError> {
         let committed = guarded(path, || {
             let mut txn = db.begin_write()?;
             txn.set_quick_repair(true);
@@ -328,7 +357,8 @@ impl PersistentStore {
             committed: RwLock::new(Arc::new(committed)),
             pending: Mutex::new(None),
             writer: Mutex::new(()),
-            db,
+            db: Mutex::new(Some(db)),
+            reopen,
             path: path.to_path_buf(),
         })
     }
@@ -450,8 +480,15 @@ impl PersistentStore {
     pub fn finish_commit(&self, checkpoint: Checkpoint) -> Result<(), StoreError> {
         let _writer = lock(&self.writer);
         let layers = lock(&self.pending).clone();
-        let committed = guarded(&self.path, || {
-            let mut txn = self.db.begin_write()?;
+        let mut db = lock(&self.db);
+        if db.is_none() {
+            self.reopen(&mut db)?;
+        }
+        let Some(open) = db.as_ref() else {
+            return Err(StoreError::new(&self.path, "the store's file is not open"));
+        };
+        let written = catch_unwind(AssertUnwindSafe(|| -> Result<Committed, redb::Error> {
+            let mut txn = open.begin_write()?;
             // Saves the allocator state with each commit, so reopening after a crash does not
             // walk the whole file; costs a second fsync per commit, once a second.
             txn.set_quick_repair(true);
@@ -476,8 +513,30 @@ impl PersistentStore {
                     .insert(RETRY_DONE_KEY, done.as_slice())?;
             }
             txn.commit()?;
-            Committed::load(&self.db)
-        })?;
+            Committed::load(open)
+        }));
+        let committed = match written {
+            Ok(Ok(committed)) => committed,
+            Ok(Err(error)) => {
+                let failed = StoreError::new(&self.path, &error);
+                if is_io(&error) {
+                    // Heals the store for the next attempt; the error stands for this one.
+                    if let Err(reopen) = self.reopen(&mut db) {
+                        tracing::warn!(store = %self.path.display(), error = %reopen, "cannot reopen the store yet");
+                    }
+                }
+                return Err(failed);
+            }
+            Err(payload) => {
+                // redb leaked the transaction's pages; the reopen repairs them.
+                let _ = self.reopen(&mut db);
+                return Err(StoreError::new(
+                    &self.path,
+                    format_args!("corrupt: redb panicked: {}", panic_message(&*payload)),
+                ));
+            }
+        };
+        drop(db);
         // The new view goes in before the frozen layers go out: a reader finding no frozen layer
         // must find their writes below.
         *write(&self.committed) = Arc::new(committed);
@@ -487,6 +546,25 @@ impl PersistentStore {
             }
             *lock(&self.pending) = None;
         }
+        Ok(())
+    }
+
+    /// Closes the database and opens the file again: redb's way out of an I/O error. The last
+    /// commit is loaded anew from the reopened file; reads wait for it meanwhile, and queries
+    /// still holding a snapshot of the old database fail (retryably). The frozen layer, if any,
+    /// stays pending, so a later `finish_commit` writes it.
+    fn reopen(&self, db: &mut Option<Database>) -> Result<(), StoreError> {
+        let mut committed = write(&self.committed);
+        if let Some(old) = db.take() {
+            // Fails after an I/O error (it cannot record a clean shutdown): the open below then
+            // recovers the file as after a crash.
+            let _ = old.close();
+        }
+        let reopened = guarded(&self.path, || Ok((self.reopen)()?))?;
+        let fresh = guarded(&self.path, || Committed::load(&reopened))?;
+        *committed = Arc::new(fresh);
+        *db = Some(reopened);
+        tracing::info!(store = %self.path.display(), "store file reopened");
         Ok(())
     }
 
@@ -1148,6 +1226,53 @@ mod tests {
         assert_eq!(after.len(), data.len());
         let changed: Vec<usize> = (0..data.len()).filter(|&i| after[i] != data[i]).collect();
         assert!(changed.iter().all(|&i| i == 9), "bytes changed: {changed:?}");
+    }
+
+    #[test]
+    fn a_commit_failed_by_a_full_disk_is_written_by_the_next_attempt_once_space_returns() {
+        let dir = TempDir::new("enospc");
+        let file = dir.file();
+        let full = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let open = crate::fault_injection::opener(&file, &full);
+        let db = open().unwrap();
+        let store = PersistentStore::start(&file, db, Box::new(open)).unwrap();
+        store.put(b("before"), b("1"));
+        commit(&store, 1);
+
+        full.store(true, AtomicOrdering::Release);
+        // Enough new data that the file must grow.
+        for i in 0..20_000 {
+            store.put(format!("k{i:05}").into(), Bytes::from(vec![7u8; 200]));
+        }
+        assert!(store.begin_commit());
+        let checkpoint = Checkpoint {
+            watermark: 2,
+            retry_offset: 1,
+            ..Checkpoint::default()
+        };
+        let err = store.finish_commit(checkpoint.clone()).unwrap_err();
+        assert!(err.message.contains("No space left on device"), "{err}");
+        // The store answers meanwhile: its frozen writes and, below them, the last commit.
+        assert_eq!(store.get(b"k00042"), Some(Bytes::from(vec![7u8; 200])));
+        assert_eq!(store.get(b"before"), Some(b("1")));
+        let snapshot = store.snapshot().unwrap();
+        assert_eq!(snapshot.checkpoint().map(|c| c.watermark), Some(1));
+        assert_eq!(snapshot.get(b"before").unwrap(), Some(b("1")));
+        assert!(!store.begin_commit(), "the failed commit is still pending");
+        // Still full: the retry fails the same way, not with redb's "previous I/O error".
+        let err = store.finish_commit(checkpoint.clone()).unwrap_err();
+        assert!(err.message.contains("No space left on device"), "{err}");
+
+        full.store(false, AtomicOrdering::Release);
+        store.finish_commit(checkpoint).unwrap();
+        let snapshot = store.snapshot().unwrap();
+        assert_eq!(snapshot.checkpoint().map(|c| c.watermark), Some(2));
+        assert_eq!(snapshot.len().unwrap(), 20_001);
+        assert!(store.begin_commit(), "nothing pending any more");
+        drop(snapshot);
+        drop(store);
+        let reopened = PersistentStore::open(&file).unwrap();
+        assert_eq!(reopened.snapshot().unwrap().len().unwrap(), 20_001);
     }
 
     /// Run with `cargo test --release -p taskstream-server --lib persistent -- --ignored --nocapture`.
