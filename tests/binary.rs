@@ -572,19 +572,13 @@ fn a_garbage_log_file_exits_2_naming_it_and_is_left_untouched() {
 
 #[test]
 fn a_garbage_store_file_exits_2_naming_it_and_is_left_untouched() {
-<<<<<<< HEAD
     let dir = temp_dir("garbage-store");
-    // stores/<application_id>/<pipeline>_<partition>.redb; the partitions before it open fine.
-    let store = dir.path().join("stores").join("taskstream").join("counts_5.redb");
-=======
-    let dir = TempDir::new("garbage-store");
     // A data dir in use (log, identity, stores), then one store replaced by garbage:
     // stores/<application_id>/<pipeline>_<partition>.redb.
     let mut config = taskstream_server::Config::embedded_default();
-    config.data_dir = Some(dir.0.clone());
+    config.data_dir = Some(dir.path().to_path_buf());
     drop(taskstream_server::datadir::open(&config).expect("prepare the data dir"));
-    let store = dir.0.join("stores").join("taskstream").join("counts_5.redb");
->>>>>>> 701190e (Data dir identity: the log, every store and taskstream.id record the log's id; at start a missing, empty or foreign log, or an empty, damaged, foreign or ahead-of-the-log store, stops the server (exit 2) naming each file and the choices, before anything opens it; --reset-stores rebuilds refused stores from the log; new logs and stores are created whole and renamed into place; data dirs from before ids are adopted)
+    let store = dir.path().join("stores").join("taskstream").join("counts_5.redb");
     expect_refused_data_file(&dir, &store, "garbage stores/taskstream/counts_5.redb");
     assert!(
         dir.path().join("log.redb").is_file(),

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{Output, TempDir, run, server_binary};
+use common::{Output, run, server_binary, temp_dir};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -129,7 +129,7 @@ fn server_command(dir: &Path) -> Command {
 fn expect_refused(dir: &Path, extra: &[&str], named: &[&str], case: &str) -> Output {
     let mut command = server_command(dir);
     command.args(extra);
-    let output = run(command, case, DEADLINE, None);
+    let output = run(command, case, DEADLINE);
     assert_eq!(
         output.status.code(),
         Some(2),
@@ -193,101 +193,109 @@ fn start_binary_with_reset_stores(dir: &Path) {
 
 #[test]
 fn a_missing_log_is_refused_naming_it_and_reset_stores_starts_over_with_exact_counts() {
-    let dir = TempDir::new("datadir-missing-log");
-    produce(&dir.0, 1_000, 50);
-    let log = dir.0.join("log.redb");
+    let dir = temp_dir("datadir-missing-log");
+    produce(dir.path(), 1_000, 50);
+    let log = dir.path().join("log.redb");
     std::fs::remove_file(&log).expect("remove the log");
-    let before = snapshot(&dir.0);
+    let before = snapshot(dir.path());
     let output = expect_refused(
-        &dir.0,
+        dir.path(),
         &[],
         &[&log.display().to_string(), "--reset-stores", "is missing"],
         "missing log.redb",
     );
-    assert_unchanged(&before, &dir.0, "missing log.redb");
+    assert_unchanged(&before, dir.path(), "missing log.redb");
     assert!(!log.exists(), "the log was recreated\n{}", output.describe());
 
     // The operator chooses to start over: the stores are rebuilt from the new,
     // empty log, so records produced now are all counted (none skipped below
     // the old stores' committed offsets).
-    assert_eq!(counted(&dir.0, true), 0);
-    produce(&dir.0, 2_000, 50);
-    assert_eq!(counted(&dir.0, false), 2_000);
+    assert_eq!(counted(dir.path(), true), 0);
+    produce(dir.path(), 2_000, 50);
+    assert_eq!(counted(dir.path(), false), 2_000);
 }
 
 #[test]
 fn an_empty_log_is_refused_even_with_reset_stores_and_stays_empty() {
-    let dir = TempDir::new("datadir-empty-log");
-    produce(&dir.0, 1_000, 50);
-    let log = dir.0.join("log.redb");
+    let dir = temp_dir("datadir-empty-log");
+    produce(dir.path(), 1_000, 50);
+    let log = dir.path().join("log.redb");
     std::fs::write(&log, b"").expect("truncate the log");
-    let before = snapshot(&dir.0);
+    let before = snapshot(dir.path());
     let shown = log.display().to_string();
-    expect_refused(&dir.0, &[], &[&shown, "empty (0 bytes)"], "empty log.redb");
-    assert_unchanged(&before, &dir.0, "empty log.redb");
+    expect_refused(dir.path(), &[], &[&shown, "empty (0 bytes)"], "empty log.redb");
+    assert_unchanged(&before, dir.path(), "empty log.redb");
     // A damaged log is not something --reset-stores may paper over.
     expect_refused(
-        &dir.0,
+        dir.path(),
         &["--reset-stores"],
         &[&shown, "empty (0 bytes)"],
         "empty log.redb with --reset-stores",
     );
-    assert_unchanged(&before, &dir.0, "empty log.redb with --reset-stores");
+    assert_unchanged(&before, dir.path(), "empty log.redb with --reset-stores");
 }
 
 #[test]
 fn a_foreign_log_is_refused_and_reset_stores_rebuilds_the_stores_from_it() {
-    let dir = TempDir::new("datadir-foreign-log");
-    let other = TempDir::new("datadir-foreign-log-other");
-    produce(&dir.0, 1_000, 50);
-    produce(&other.0, 300, 30);
-    let log = dir.0.join("log.redb");
-    std::fs::copy(other.0.join("log.redb"), &log).expect("copy the other dir's log");
-    let before = snapshot(&dir.0);
+    let dir = temp_dir("datadir-foreign-log");
+    let other = temp_dir("datadir-foreign-log-other");
+    produce(dir.path(), 1_000, 50);
+    produce(other.path(), 300, 30);
+    let log = dir.path().join("log.redb");
+    std::fs::copy(other.path().join("log.redb"), &log).expect("copy the other dir's log");
+    let before = snapshot(dir.path());
     expect_refused(
-        &dir.0,
+        dir.path(),
         &[],
         &[&log.display().to_string(), "another data dir", "--reset-stores"],
         "foreign log.redb",
     );
-    assert_unchanged(&before, &dir.0, "foreign log.redb");
-    assert_eq!(counted(&dir.0, true), 300, "the stores hold what this log holds");
-    assert_eq!(counted(&dir.0, false), 300, "and a later start accepts the dir");
+    assert_unchanged(&before, dir.path(), "foreign log.redb");
+    assert_eq!(
+        counted(dir.path(), true),
+        300,
+        "the stores hold what this log holds"
+    );
+    assert_eq!(
+        counted(dir.path(), false),
+        300,
+        "and a later start accepts the dir"
+    );
 }
 
 #[test]
 fn an_empty_store_is_refused_naming_it_and_reset_stores_rebuilds_it_from_the_log() {
-    let dir = TempDir::new("datadir-empty-store");
-    produce(&dir.0, 1_000, 50);
-    let store = store_file(&dir.0, 3);
+    let dir = temp_dir("datadir-empty-store");
+    produce(dir.path(), 1_000, 50);
+    let store = store_file(dir.path(), 3);
     std::fs::write(&store, b"").expect("truncate a store");
-    let before = snapshot(&dir.0);
+    let before = snapshot(dir.path());
     expect_refused(
-        &dir.0,
+        dir.path(),
         &[],
         &[&store.display().to_string(), "empty (0 bytes)", "--reset-stores"],
         "empty store",
     );
-    assert_unchanged(&before, &dir.0, "empty store");
-    start_binary_with_reset_stores(&dir.0);
+    assert_unchanged(&before, dir.path(), "empty store");
+    start_binary_with_reset_stores(dir.path());
     assert!(std::fs::metadata(&store).expect("the store is back").len() > 0);
-    assert_eq!(counted(&dir.0, false), 1_000);
+    assert_eq!(counted(dir.path(), false), 1_000);
 }
 
 #[test]
 fn a_damaged_store_is_refused_naming_it_with_nothing_written_but_the_recovery_flag() {
-    let dir = TempDir::new("datadir-damaged-store");
-    produce(&dir.0, 5_000, 2_000);
-    let store = store_file(&dir.0, 5);
+    let dir = temp_dir("datadir-damaged-store");
+    produce(dir.path(), 5_000, 2_000);
+    let store = store_file(dir.path(), 5);
     let mut bytes = std::fs::read(&store).expect("read the store");
     // Every page after the header: the store's trees cannot be read.
     for byte in &mut bytes[4096..] {
         *byte ^= 0x5a;
     }
     std::fs::write(&store, &bytes).expect("damage the store");
-    let files_before: Vec<PathBuf> = snapshot(&dir.0).into_keys().collect();
+    let files_before: Vec<PathBuf> = snapshot(dir.path()).into_keys().collect();
     let output = expect_refused(
-        &dir.0,
+        dir.path(),
         &[],
         &[&store.display().to_string(), "damaged", "--reset-stores"],
         "damaged store",
@@ -300,23 +308,23 @@ fn a_damaged_store_is_refused_naming_it_with_nothing_written_but_the_recovery_fl
         "bytes other than redb's recovery flag changed: {changed:?}\n{}",
         output.describe()
     );
-    let files_after: Vec<PathBuf> = snapshot(&dir.0).into_keys().collect();
+    let files_after: Vec<PathBuf> = snapshot(dir.path()).into_keys().collect();
     assert_eq!(files_before, files_after, "no file was created or removed");
-    assert_eq!(counted(&dir.0, true), 5_000);
+    assert_eq!(counted(dir.path(), true), 5_000);
 }
 
 #[test]
 fn a_store_ahead_of_a_restored_log_is_refused_and_reset_stores_rebuilds_it() {
-    let dir = TempDir::new("datadir-store-ahead");
-    produce(&dir.0, 500, 50);
-    let log = dir.0.join("log.redb");
+    let dir = temp_dir("datadir-store-ahead");
+    produce(dir.path(), 500, 50);
+    let log = dir.path().join("log.redb");
     let backup = std::fs::read(&log).expect("back the log up");
-    produce(&dir.0, 500, 50);
+    produce(dir.path(), 500, 50);
     // The log restored from the older copy: same log, fewer records than the stores committed.
     std::fs::write(&log, &backup).expect("restore the older log");
-    let before = snapshot(&dir.0);
+    let before = snapshot(dir.path());
     let output = expect_refused(
-        &dir.0,
+        dir.path(),
         &[],
         &["ahead of the log", "--reset-stores"],
         "store ahead",
@@ -324,15 +332,15 @@ fn a_store_ahead_of_a_restored_log_is_refused_and_reset_stores_rebuilds_it() {
     assert!(
         (0..8).any(|p| output
             .stderr
-            .contains(&store_file(&dir.0, p).display().to_string())),
+            .contains(&store_file(dir.path(), p).display().to_string())),
         "no store named\n{}",
         output.describe()
     );
     // Refused after the log was opened (its end offsets were needed): the stores are as they were.
-    let after = snapshot(&dir.0);
+    let after = snapshot(dir.path());
     for p in 0..8 {
-        let file = store_file(&dir.0, p);
+        let file = store_file(dir.path(), p);
         assert!(after[&file] == before[&file], "{} changed", file.display());
     }
-    assert_eq!(counted(&dir.0, true), 500);
+    assert_eq!(counted(dir.path(), true), 500);
 }

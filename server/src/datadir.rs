@@ -511,20 +511,8 @@ fn refusal(dir: &Path, reset: bool, problems: Vec<Problem>) -> RuntimeError {
 mod tests {
     use super::*;
 
-    /// A fresh directory under the system temp dir, removed when dropped.
-    struct TempDir(PathBuf);
-
-    impl TempDir {
-        fn new(name: &str) -> TempDir {
-            let id = LogId::generate();
-            TempDir(std::env::temp_dir().join(format!("taskstream-datadir-{name}-{id}")))
-        }
-    }
-
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
+    fn temp_dir(purpose: &str) -> crate::scratch::TempDir {
+        crate::scratch::scratch_dir(purpose).unwrap()
     }
 
     #[test]
@@ -543,22 +531,22 @@ mod tests {
 
     #[test]
     fn a_data_dir_from_before_ids_is_adopted_log_and_stores_alike() {
-        let dir = TempDir::new("legacy");
-        std::fs::create_dir_all(&dir.0).unwrap();
+        let scratch = temp_dir("datadir-legacy");
+        let dir = scratch.path();
         // A log and stores as written before ids: no identity anywhere.
-        drop(redb::Database::create(dir.0.join(LOG_FILE)).unwrap());
-        let ours = dir.0.join("stores").join("taskstream").join("counts_0.redb");
-        let theirs = dir.0.join("stores").join("other").join("p_0.redb");
+        drop(redb::Database::create(dir.join(LOG_FILE)).unwrap());
+        let ours = dir.join("stores").join("taskstream").join("counts_0.redb");
+        let theirs = dir.join("stores").join("other").join("p_0.redb");
         for store in [&ours, &theirs] {
             drop(PersistentStore::open(store).unwrap());
             assert_eq!(PersistentStore::inspect(store).unwrap().log_id, None);
         }
         let mut config = Config::embedded_default();
-        config.data_dir = Some(dir.0.clone());
+        config.data_dir = Some(dir.to_path_buf());
         let log = open(&config).unwrap();
         let id = log.log_id().expect("the log now has an id");
         drop(log);
-        let written = read_identity(&dir.0.join(IDENTITY_FILE)).unwrap();
+        let written = read_identity(&dir.join(IDENTITY_FILE)).unwrap();
         assert_eq!(written.as_ref().map(LogId::as_str), Some(id.as_str()));
         for store in [&ours, &theirs] {
             assert_eq!(
@@ -569,7 +557,6 @@ mod tests {
         // The stores the configuration uses and that were missing are created for this log.
         for partition in 1..8 {
             let store = dir
-                .0
                 .join("stores")
                 .join("taskstream")
                 .join(format!("counts_{partition}.redb"));
@@ -584,12 +571,12 @@ mod tests {
 
     #[test]
     fn a_damaged_identity_file_is_refused_whatever_the_flags() {
-        let dir = TempDir::new("bad-identity");
-        std::fs::create_dir_all(&dir.0).unwrap();
-        let file = dir.0.join(IDENTITY_FILE);
+        let scratch = temp_dir("datadir-bad-identity");
+        let dir = scratch.path();
+        let file = dir.join(IDENTITY_FILE);
         std::fs::write(&file, "log_id = 42\n").unwrap();
         let mut config = Config::embedded_default();
-        config.data_dir = Some(dir.0.clone());
+        config.data_dir = Some(dir.to_path_buf());
         config.reset_stores = true;
         match open(&config) {
             Err(RuntimeError::Storage { path, message }) => {
@@ -599,7 +586,7 @@ mod tests {
             Err(other) => panic!("expected a storage error, got {other}"),
             Ok(_) => panic!("a damaged identity file was accepted"),
         }
-        assert!(!dir.0.join(LOG_FILE).exists(), "nothing was created");
+        assert!(!dir.join(LOG_FILE).exists(), "nothing was created");
         assert_eq!(std::fs::read_to_string(&file).unwrap(), "log_id = 42\n");
     }
 }
