@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use taskstream_server::config::{SETTINGS, parse_host_port};
+use taskstream_server::log::KafkaLog;
 use taskstream_server::service;
 use taskstream_server::{CommitMode, Config, ConfigError, RuntimeError, StreamsApp};
 use tokio::net::TcpListener;
@@ -231,10 +232,22 @@ async fn run(listen: String, metrics_listen: Option<String>, settings: Settings)
         }
     };
 
-    // Opening the data dir may take a while after a crash (redb repairs it).
-    let app = tokio::task::spawn_blocking(move || StreamsApp::start(config))
-        .await
-        .context("the runtime failed to start")??;
+    // Opening the data dir may take a while after a crash (redb repairs it);
+    // connecting to Kafka waits for the cluster to answer.
+    let app = tokio::task::spawn_blocking(move || -> anyhow::Result<StreamsApp> {
+        let builder = StreamsApp::builder(config.clone());
+        let builder = match &config.bootstrap_servers {
+            Some(servers) => {
+                let log =
+                    KafkaLog::connect(&config).with_context(|| format!("cannot use Kafka at {servers}"))?;
+                builder.log(log)
+            }
+            None => builder,
+        };
+        Ok(builder.start()?)
+    })
+    .await
+    .context("the runtime failed to start")??;
     print_banner(&app, address, metrics_address, &source)?;
 
     service::serve(app, listener, shutdown).await?;
@@ -286,13 +299,20 @@ fn print_banner(
     if let Some(metrics) = metrics {
         writeln!(out, "  metrics:     http://{metrics}/metrics (Prometheus)")?;
     }
-    match &config.data_dir {
-        Some(dir) => writeln!(
+    match (&config.bootstrap_servers, &config.data_dir) {
+        (Some(servers), dir) => {
+            writeln!(out, "  log:         Apache Kafka at {servers}")?;
+            match dir {
+                Some(dir) => writeln!(out, "  data dir:    {} (persistent stores)", dir.display())?,
+                None => writeln!(out, "  data dir:    none: stores in memory")?,
+            }
+        }
+        (None, Some(dir)) => writeln!(
             out,
             "  data dir:    {} (log and persistent stores)",
             dir.display()
         )?,
-        None => writeln!(out, "  data dir:    none: log and stores in memory, lost on exit")?,
+        (None, None) => writeln!(out, "  data dir:    none: log and stores in memory, lost on exit")?,
     }
     for pipeline in &config.pipelines {
         let effective = config.effective_order(pipeline);

@@ -4,6 +4,8 @@
 //! Each test binary compiles this module on its own, hence the `dead_code` allows.
 
 #[allow(dead_code)]
+pub mod kafka;
+#[allow(dead_code)]
 pub mod tools;
 
 use std::io::Read;

@@ -454,6 +454,76 @@ pub struct Config {
     pub processing_timeout_ms: u64,
     pub topics: Vec<TopicConfig>,
     pub pipelines: Vec<PipelineConfig>,
+    /// Apache Kafka's `host:port[,host:port…]`: with it the topics live in
+    /// Kafka (`KafkaLog`) instead of the embedded log.
+    pub bootstrap_servers: Option<String>,
+    /// Replication factor of the topics taskstream creates in Kafka; -1 takes
+    /// the broker's `default.replication.factor` (Kafka Streams' default).
+    pub replication_factor: i32,
+    /// Client settings passed to librdkafka as they are (`[kafka]` table:
+    /// security, timeouts, …); nested TOML keys join with dots.
+    #[serde(deserialize_with = "deserialize_kafka_settings")]
+    pub kafka: BTreeMap<String, String>,
+}
+
+/// librdkafka settings that taskstream sets itself: a `[kafka]` table may not
+/// override them, because the log's guarantees depend on them.
+pub const RESERVED_KAFKA_SETTINGS: &[(&str, &str)] = &[
+    (
+        "bootstrap.servers",
+        "set bootstrap_servers (--bootstrap-servers) instead",
+    ),
+    ("group.id", "the group is the application_id"),
+    (
+        "partitioner",
+        "keys go where Kafka's Java client puts them (murmur2_random)",
+    ),
+    ("enable.auto.commit", "the runtime commits its watermarks itself"),
+    (
+        "auto.offset.reset",
+        "reads start where the runtime asks and report what is no longer retained",
+    ),
+    ("allow.auto.create.topics", "taskstream creates its topics itself"),
+    ("transactional.id", "transactions are the runtime's"),
+];
+
+/// Flattens the `[kafka]` table into librdkafka's `name = value` strings:
+/// `security.protocol = "SSL"` in TOML is a nested table, joined back here.
+fn deserialize_kafka_settings<'de, D>(deserializer: D) -> Result<BTreeMap<String, String>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    fn flatten(prefix: &str, table: &toml::Table, out: &mut BTreeMap<String, String>) -> Result<(), String> {
+        for (key, value) in table {
+            let name = if prefix.is_empty() {
+                key.clone()
+            } else {
+                format!("{prefix}.{key}")
+            };
+            let text = match value {
+                toml::Value::Table(inner) => {
+                    flatten(&name, inner, out)?;
+                    continue;
+                }
+                toml::Value::String(s) => s.clone(),
+                toml::Value::Integer(i) => i.to_string(),
+                toml::Value::Float(f) => f.to_string(),
+                toml::Value::Boolean(b) => b.to_string(),
+                other => {
+                    return Err(format!(
+                        "kafka.{name} is a {}; librdkafka settings are strings, numbers or booleans",
+                        other.type_str()
+                    ));
+                }
+            };
+            out.insert(name, text);
+        }
+        Ok(())
+    }
+    let table = toml::Table::deserialize(deserializer)?;
+    let mut out = BTreeMap::new();
+    flatten("", &table, &mut out).map_err(serde::de::Error::custom)?;
+    Ok(out)
 }
 
 impl Default for Config {
@@ -480,6 +550,9 @@ impl Default for Config {
             processing_timeout_ms: 30_000,
             topics: Vec::new(),
             pipelines: Vec::new(),
+            bootstrap_servers: None,
+            replication_factor: -1,
+            kafka: BTreeMap::new(),
         }
     }
 }
@@ -536,8 +609,8 @@ macro_rules! setting {
     };
 }
 
-/// Every scalar setting, in the order of the README's table. `topics` and
-/// `pipelines` are tables and come only from TOML.
+/// Every scalar setting, in the order of the README's table. `topics`,
+/// `pipelines` and `kafka` are tables and come only from TOML.
 pub const SETTINGS: &[Setting] = &[
     setting!(
         application_id,
@@ -668,7 +741,32 @@ pub const SETTINGS: &[Setting] = &[
         parse_number,
         "A processor call longer than this fails its record (0 = no limit)."
     ),
+    setting!(
+        bootstrap_servers,
+        Some("bootstrap-servers"),
+        "HOST:PORT,…",
+        parse_optional_text,
+        "Apache Kafka brokers: the topics live in Kafka instead of the embedded log. Client settings \
+         go in the config file's [kafka] table."
+    ),
+    setting!(
+        replication_factor,
+        None,
+        "N",
+        parse_replication_factor,
+        "Replication factor of the topics created in Kafka (-1: the broker's default)."
+    ),
 ];
+
+fn parse_optional_text(text: &str) -> Result<Option<String>, String> {
+    Ok(Some(text.to_string()))
+}
+
+fn parse_replication_factor(text: &str) -> Result<i32, String> {
+    text.trim()
+        .parse()
+        .map_err(|_| format!("`{text}` is not a whole number (-1 for the broker's default)"))
+}
 
 fn parse_text(text: &str) -> Result<String, String> {
     Ok(text.to_string())
@@ -978,6 +1076,7 @@ impl Config {
             }
         }
         self.topic_partitions()?;
+        self.validate_kafka()?;
         if self.data_dir.is_some() {
             // A memory store is rebuilt by replaying its source from the start:
             // retention there would silently restore a fraction of the state.
@@ -1084,6 +1183,75 @@ fn plain_expectation(message: &str) -> String {
     match message.find("expected struct ") {
         Some(at) => format!("{}expected a table", &message[..at]),
         None => message,
+    }
+}
+
+impl Config {
+    /// `bootstrap_servers`, `replication_factor` and the `[kafka]` table.
+    fn validate_kafka(&self) -> Result<(), ConfigError> {
+        if !(self.replication_factor == -1 || (1..=i32::from(i16::MAX)).contains(&self.replication_factor)) {
+            return Err(ConfigError::new(
+                "replication_factor",
+                format!(
+                    "is {}; use -1 for the broker's default.replication.factor or a count from 1 to 32767",
+                    self.replication_factor
+                ),
+            ));
+        }
+        let Some(servers) = &self.bootstrap_servers else {
+            if let Some(name) = self.kafka.keys().next() {
+                return Err(ConfigError::new(
+                    format!("kafka.{name}"),
+                    "the [kafka] table applies only with bootstrap_servers; set bootstrap_servers \
+                     (--bootstrap-servers) or remove the table",
+                ));
+            }
+            return Ok(());
+        };
+        if servers.trim().is_empty() {
+            return Err(ConfigError::new(
+                "bootstrap_servers",
+                "must not be empty; give host:port[,host:port…] of Kafka brokers, or leave it unset for the embedded log",
+            ));
+        }
+        for server in servers.split(',') {
+            let server = server.trim();
+            let address = server
+                .strip_prefix("PLAINTEXT://")
+                .or_else(|| server.strip_prefix("SSL://"))
+                .or_else(|| server.strip_prefix("SASL_SSL://"))
+                .or_else(|| server.strip_prefix("SASL_PLAINTEXT://"))
+                .unwrap_or(server);
+            parse_host_port(address).map_err(|m| {
+                ConfigError::new(
+                    "bootstrap_servers",
+                    format!("{m}; write host:port[,host:port…], e.g. 127.0.0.1:9092"),
+                )
+            })?;
+        }
+        for name in self.kafka.keys() {
+            if let Some((_, why)) = RESERVED_KAFKA_SETTINGS
+                .iter()
+                .find(|(reserved, _)| reserved == name)
+            {
+                return Err(ConfigError::new(
+                    format!("kafka.{name}"),
+                    format!("is set by taskstream ({why}); remove it from the [kafka] table"),
+                ));
+            }
+        }
+        // Kafka's own retention (the topic's retention.ms / retention.bytes)
+        // applies there; silently ignoring these would surprise.
+        for (i, topic) in self.topics.iter().enumerate() {
+            if topic.log_retention_bytes.is_some() || topic.log_retention_ms.is_some() {
+                return Err(ConfigError::new(
+                    format!("topics[{i}].log_retention_*"),
+                    "applies to the embedded log only; on Kafka, set retention.ms or retention.bytes \
+                     on the topic itself (kafka-configs --alter)",
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -1297,7 +1465,7 @@ mod tests {
         let scalar: Vec<&str> = fields
             .iter()
             .copied()
-            .filter(|f| !matches!(*f, "topics" | "pipelines"))
+            .filter(|f| !matches!(*f, "topics" | "pipelines" | "kafka"))
             .collect();
         let table: Vec<&str> = SETTINGS.iter().map(|s| s.name).collect();
         assert_eq!(
@@ -1492,5 +1660,75 @@ mod tests {
         let mut config = Config::embedded_default();
         config.pipelines[0].partitions = Some(3);
         assert_eq!(config.validate().unwrap_err().setting, "pipelines[0].partitions");
+    }
+
+    #[test]
+    fn kafka_table_flattens_dotted_keys_and_rejects_what_taskstream_owns() {
+        let config = Config::from_toml_str(
+            r#"
+            bootstrap_servers = "127.0.0.1:9092,SSL://broker:9093"
+            replication_factor = 3
+            [kafka]
+            security.protocol = "SSL"
+            "session.timeout.ms" = 6000
+            socket.keepalive.enable = true
+            [[pipelines]]
+            name = "counts"
+            source_topic = "events"
+            processor = "count"
+            "#,
+        )
+        .unwrap();
+        config.validate().unwrap();
+        assert_eq!(config.kafka["security.protocol"], "SSL");
+        assert_eq!(config.kafka["session.timeout.ms"], "6000");
+        assert_eq!(config.kafka["socket.keepalive.enable"], "true");
+        assert_eq!(config.replication_factor, 3);
+
+        let mut owned = config.clone();
+        owned
+            .kafka
+            .insert("partitioner".into(), "consistent_random".into());
+        let err = owned.validate().unwrap_err();
+        assert_eq!(err.setting, "kafka.partitioner");
+        assert!(err.message.contains("murmur2_random"), "{err}");
+
+        let mut without_kafka = config.clone();
+        without_kafka.bootstrap_servers = None;
+        assert_eq!(
+            without_kafka.validate().unwrap_err().setting,
+            "kafka.security.protocol"
+        );
+
+        for bad in ["", "nohost", "127.0.0.1:notaport"] {
+            let mut bad_servers = config.clone();
+            bad_servers.bootstrap_servers = Some(bad.into());
+            assert_eq!(
+                bad_servers.validate().unwrap_err().setting,
+                "bootstrap_servers",
+                "{bad:?}"
+            );
+        }
+        for bad in [0, -2, 40_000] {
+            let mut bad_factor = config.clone();
+            bad_factor.replication_factor = bad;
+            assert_eq!(
+                bad_factor.validate().unwrap_err().setting,
+                "replication_factor",
+                "{bad}"
+            );
+        }
+
+        let mut retention = config.clone();
+        retention.topics.push(TopicConfig {
+            log_retention_ms: Some(1000),
+            ..TopicConfig::new("events", 8)
+        });
+        let err = retention.validate().unwrap_err();
+        assert_eq!(err.setting, "topics[0].log_retention_*");
+        assert!(err.message.contains("retention.ms"), "{err}");
+
+        let err = Config::from_toml_str("[kafka]\nssl.keystore = [1, 2]\n").unwrap_err();
+        assert!(err.message.contains("kafka.ssl.keystore"), "{err}");
     }
 }

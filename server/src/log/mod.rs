@@ -1,15 +1,18 @@
 //! The source/sink abstraction: partitioned, append-only topics with offsets and
 //! committed offsets per group, behind the `Log` trait. `MemoryLog` is the
-//! embedded implementation; a Kafka implementation satisfies the same trait.
+//! embedded implementation (`RedbLog` its durable form); `KafkaLog` is the
+//! same trait on Apache Kafka.
 //! Keys are routed exactly as Kafka's default partitioner (`partitioner`).
 
 #[cfg(test)]
 mod contract;
 mod durable;
+mod kafka;
 mod memory;
 pub mod partitioner;
 
 pub use durable::{Peeked, RedbLog};
+pub use kafka::KafkaLog;
 pub use memory::MemoryLog;
 pub use partitioner::{murmur2, partition_for_key};
 

@@ -1,0 +1,1447 @@
+//! `KafkaLog`: the `Log` trait on Apache Kafka through rdkafka (bundled
+//! librdkafka). It owns one producer, one reader consumer (manual assignment,
+//! one queue per partition), an admin client, and one committing consumer per
+//! group; each call of the trait is a blocking call on them.
+//!
+//! How it maps the trait:
+//! - `ensure_topic` creates a missing topic through the admin client, with
+//!   `replication_factor` (-1: the broker's default); a name ending in
+//!   `-changelog` or `-metadata` is created compacted. An existing topic must
+//!   have the partitions asked for.
+//! - `append` enqueues every record of a batch, then waits for their delivery
+//!   reports, which carry the offsets. The producer is idempotent (no duplicate
+//!   or reordered records on retries) and uses `partitioner = murmur2_random`,
+//!   which places keyed records exactly as Kafka's Java client does. Unkeyed
+//!   records without a partition are spread round-robin, as in the embedded
+//!   log. A batch is checked before anything is sent (unknown topic or
+//!   partition: nothing is written), but Kafka does not write a batch
+//!   atomically: if delivery fails midway, the records already delivered stay.
+//! - `read` draws from the partition's own queue of the reader consumer, which
+//!   librdkafka keeps prefetched. The queue remembers its position, so
+//!   sequential reads never seek; a read elsewhere seeks once. When the queue
+//!   is empty but the end offset says records exist, the read waits for them
+//!   (up to `FETCH_WAIT`); at the end it answers nothing at once.
+//! - `end_offset` is the high watermark: librdkafka's cached value (updated by
+//!   every fetch response, so fresh within a fetch round trip) for partitions
+//!   being read, else a round trip to the broker; never below what this log
+//!   itself appended. `start_offset` always asks the broker.
+//! - `commit` / `committed` use the group's committed offsets, through a
+//!   consumer with that `group.id` that never joins the group. Kafka accepts
+//!   such commits only while the group has no members, which holds for a
+//!   single instance reading every partition (this module alone).
+//! - Append listeners: Kafka pushes nothing, so each partition queue has a
+//!   non-empty callback. It fires when a fetch brings records to an empty
+//!   queue, i.e. when a caught-up reader has new data — wherever the records
+//!   were produced. The callback only sends on a channel (it runs on
+//!   librdkafka's threads, where blocking could stall the fetcher); a notifier
+//!   thread calls the listeners. This log's own appends notify too.
+//! - `enforce_retention` is a no-op that answers the start offset: Kafka's
+//!   own retention (`retention.ms`, `retention.bytes` of the topic) applies.
+//!
+//! How the consumer group will plug in (the next step, issue 11): a group
+//! consumer subscribes the application's source topics with
+//! `group.protocol = consumer` (KIP-848). In its rebalance callback, for each
+//! assigned partition it calls `split_partition_queue` and hands the queue to
+//! this log in place of the reader's (`PartitionReader` keeps its position
+//! logic; only where its messages come from changes), then asks the runtime to
+//! add the tasks; on revocation the runtime drains, commits — through the group
+//! consumer, since a KIP-848 group refuses commits from non-members — and
+//! removes the tasks before the callback returns, and the reader's queue is
+//! dropped. Internal topics (retry, changelog) stay on the reader consumer by
+//! manual assignment, as now.
+
+use super::{AppendListener, Log, LogError, ProducerRecord, Record, RecordPosition, Retention};
+use crate::config::Config;
+use bytes::Bytes;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::consumer::base_consumer::PartitionQueue;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{BaseRecord, DeliveryResult, ProducerContext, ThreadedProducer};
+use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock, mpsc};
+use std::task::{Context, Poll, Wake, Waker};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Longest wait for one request to the cluster (metadata, watermarks, commits,
+/// topic creation).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Longest wait of a `read` for records the end offset says exist.
+const FETCH_WAIT: Duration = Duration::from_secs(30);
+
+/// The reader's group id: needed by librdkafka for manual assignment; the
+/// reader never joins or commits, so it creates no group on the broker.
+const READER_GROUP: &str = "taskstream-log-reader";
+
+/// Settings of the reader consumer that a `[kafka]` table may still change:
+/// prefetch per partition (librdkafka's defaults, 64 MiB and 100,000 records
+/// per partition, are a lot with one queue per partition).
+const READER_DEFAULTS: &[(&str, &str)] = &[
+    ("queued.max.messages.kbytes", "8192"),
+    ("queued.min.messages", "10000"),
+    ("fetch.wait.max.ms", "100"),
+];
+
+/// What the producer is set up with unless a `[kafka]` table says otherwise.
+const PRODUCER_DEFAULTS: &[(&str, &str)] = &[("enable.idempotence", "true"), ("linger.ms", "5")];
+
+/// Apache Kafka as the application's log. See the module doc.
+pub struct KafkaLog {
+    bootstrap_servers: String,
+    client_settings: BTreeMap<String, String>,
+    replication_factor: i32,
+    admin: AdminClient<ClientLog>,
+    producer: ThreadedProducer<DeliveryContext>,
+    reader: Arc<BaseConsumer<ClientLog>>,
+    /// One reader per topic partition read so far, each behind its own lock.
+    partition_readers: Mutex<HashMap<(String, u32), SharedReader>>,
+    committers: Mutex<HashMap<String, Arc<BaseConsumer<ClientLog>>>>,
+    /// Partition counts of the topics seen (they only grow in Kafka).
+    partition_counts: RwLock<HashMap<String, u32>>,
+    /// Per partition: one past the highest offset this log appended.
+    appended_end: Mutex<HashMap<(String, u32), u64>>,
+    round_robin: Mutex<HashMap<String, AtomicU32>>,
+    listeners: Arc<RwLock<Vec<AppendListener>>>,
+    events: Mutex<mpsc::Sender<Event>>,
+    stop: Arc<AtomicBool>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// What the notifier thread is told.
+enum Event {
+    Appended(Arc<str>, u32),
+    Stop,
+}
+
+type SharedReader = Arc<Mutex<PartitionReader>>;
+
+/// One topic partition's queue in the reader consumer, and where it stands.
+struct PartitionReader {
+    topic: String,
+    partition: u32,
+    queue: PartitionQueue<ClientLog>,
+    /// The offset the next message of the queue will have (the last returned + 1,
+    /// or where it was assigned or sought).
+    next: u64,
+}
+
+impl KafkaLog {
+    /// Connects to `config.bootstrap_servers` and checks that the cluster
+    /// answers. `config.kafka` is passed to every client.
+    pub fn connect(config: &Config) -> Result<Arc<KafkaLog>, LogError> {
+        let bootstrap = config
+            .bootstrap_servers
+            .clone()
+            .ok_or_else(|| LogError::Unavailable("no bootstrap_servers configured".into()))?;
+        Self::with_settings(&bootstrap, &config.kafka, config.replication_factor)
+    }
+
+    /// Connects with explicit settings: `bootstrap` servers, librdkafka
+    /// `client_settings`, and the replication factor of created topics.
+    pub fn with_settings(
+        bootstrap: &str,
+        client_settings: &BTreeMap<String, String>,
+        replication_factor: i32,
+    ) -> Result<Arc<KafkaLog>, LogError> {
+        let base = |defaults: &[(&str, &str)]| {
+            let mut config = ClientConfig::new();
+            for (key, value) in defaults {
+                config.set(*key, *value);
+            }
+            for (key, value) in client_settings {
+                config.set(key, value);
+            }
+            config.set("bootstrap.servers", bootstrap);
+            config
+        };
+        let admin: AdminClient<ClientLog> = base(&[])
+            .set("client.id", "taskstream-admin")
+            .create_with_context(ClientLog)
+            .map_err(client_error("admin client"))?;
+        let producer: ThreadedProducer<DeliveryContext> = base(PRODUCER_DEFAULTS)
+            .set("client.id", "taskstream-producer")
+            .set("partitioner", "murmur2_random")
+            .set("allow.auto.create.topics", "false")
+            .create_with_context(DeliveryContext)
+            .map_err(client_error("producer"))?;
+        let reader: BaseConsumer<ClientLog> = base(READER_DEFAULTS)
+            .set("client.id", "taskstream-reader")
+            .set("group.id", READER_GROUP)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "error")
+            .set("allow.auto.create.topics", "false")
+            .create_with_context(ClientLog)
+            .map_err(client_error("reader consumer"))?;
+        // Fail at start, not at the first record, when the cluster is unreachable.
+        reader
+            .fetch_metadata(None, REQUEST_TIMEOUT)
+            .map_err(|e| LogError::Unavailable(format!("cannot reach Kafka at {bootstrap}: {e}")))?;
+
+        let (events, received) = mpsc::channel();
+        let log = Arc::new(KafkaLog {
+            bootstrap_servers: bootstrap.to_string(),
+            client_settings: client_settings.clone(),
+            replication_factor,
+            admin,
+            producer,
+            reader: Arc::new(reader),
+            partition_readers: Mutex::new(HashMap::new()),
+            committers: Mutex::new(HashMap::new()),
+            partition_counts: RwLock::new(HashMap::new()),
+            appended_end: Mutex::new(HashMap::new()),
+            round_robin: Mutex::new(HashMap::new()),
+            listeners: Arc::new(RwLock::new(Vec::new())),
+            events: Mutex::new(events),
+            stop: Arc::new(AtomicBool::new(false)),
+            threads: Mutex::new(Vec::new()),
+        });
+        log.start_threads(received)?;
+        Ok(log)
+    }
+
+    /// The bootstrap servers this log talks to.
+    pub fn bootstrap_servers(&self) -> &str {
+        &self.bootstrap_servers
+    }
+
+    /// The notifier (calls append listeners) and the poller (serves the
+    /// consumers' main queues: errors and logs; messages never arrive there,
+    /// each partition has its own queue).
+    fn start_threads(self: &Arc<Self>, received: mpsc::Receiver<Event>) -> Result<(), LogError> {
+        let listeners = self.listeners.clone();
+        let notifier = std::thread::Builder::new()
+            .name("kafka-log-notifier".into())
+            .spawn(move || {
+                for event in received {
+                    match event {
+                        Event::Appended(topic, partition) => {
+                            let listeners = listeners.read().unwrap_or_else(|e| e.into_inner());
+                            for listener in listeners.iter() {
+                                listener(&topic, partition);
+                            }
+                        }
+                        Event::Stop => break,
+                    }
+                }
+            })
+            .map_err(|e| LogError::Unavailable(format!("cannot start the notifier thread: {e}")))?;
+        let weak = Arc::downgrade(self);
+        let stop = self.stop.clone();
+        let poller = std::thread::Builder::new()
+            .name("kafka-log-poller".into())
+            .spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let Some(log) = weak.upgrade() else { break };
+                    let committers: Vec<_> = log
+                        .committers
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .values()
+                        .cloned()
+                        .collect();
+                    for committer in committers {
+                        if let Some(Err(e)) = committer.poll(Duration::ZERO) {
+                            tracing::warn!(error = %e, "kafka committer");
+                        }
+                    }
+                    let reader = log.reader.clone();
+                    drop(log);
+                    // Blocks up to 100 ms: also how soon a dropped log is noticed.
+                    match reader.poll(Duration::from_millis(100)) {
+                        Some(Ok(message)) => {
+                            eprintln!("DEBUG main queue {} {}", message.topic(), message.partition())
+                        }
+                        #[allow(unreachable_patterns)]
+                        Some(Ok(message)) => tracing::error!(
+                            topic = message.topic(),
+                            partition = message.partition(),
+                            "a record reached the reader's main queue instead of its partition queue"
+                        ),
+                        Some(Err(e)) => tracing::warn!(error = %e, "kafka reader"),
+                        None => {}
+                    }
+                }
+            })
+            .map_err(|e| LogError::Unavailable(format!("cannot start the poller thread: {e}")))?;
+        self.threads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend([notifier, poller]);
+        Ok(())
+    }
+
+    fn notify(&self, topic: &str, partition: u32) {
+        let events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = events.send(Event::Appended(topic.into(), partition));
+    }
+
+    /// The partition count of `topic`, from the cache or the cluster.
+    fn partition_count(&self, topic: &str) -> Result<u32, LogError> {
+        if let Some(&count) = self
+            .partition_counts
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(topic)
+        {
+            return Ok(count);
+        }
+        self.refresh_partition_count(topic)?
+            .ok_or_else(|| LogError::UnknownTopic(topic.to_string()))
+    }
+
+    /// Whether every partition of `topic` has a leader, as this client's
+    /// metadata says.
+    fn has_leaders(&self, topic: &str) -> Result<bool, LogError> {
+        let metadata = self
+            .reader
+            .fetch_metadata(Some(topic), REQUEST_TIMEOUT)
+            .map_err(unavailable("metadata"))?;
+        Ok(metadata.topics().iter().any(|t| {
+            t.name() == topic
+                && t.error().is_none()
+                && !t.partitions().is_empty()
+                && t.partitions()
+                    .iter()
+                    .all(|p| p.error().is_none() && p.leader() >= 0)
+        }))
+    }
+
+    /// Asks the cluster; `None` when the topic does not exist.
+    fn refresh_partition_count(&self, topic: &str) -> Result<Option<u32>, LogError> {
+        let metadata = self
+            .reader
+            .fetch_metadata(Some(topic), REQUEST_TIMEOUT)
+            .map_err(unavailable("metadata"))?;
+        let Some(found) = metadata.topics().iter().find(|t| t.name() == topic) else {
+            return Ok(None);
+        };
+        match found.error() {
+            None => {}
+            Some(e) if RDKafkaErrorCode::from(e) == RDKafkaErrorCode::UnknownTopicOrPartition => {
+                return Ok(None);
+            }
+            Some(e) => {
+                return Err(LogError::Unavailable(format!(
+                    "metadata of `{topic}`: {}",
+                    RDKafkaErrorCode::from(e)
+                )));
+            }
+        }
+        let count = found.partitions().len() as u32;
+        if count == 0 {
+            return Ok(None);
+        }
+        self.partition_counts
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(topic.to_string(), count);
+        Ok(Some(count))
+    }
+
+    /// Checks that `partition` exists (asking the cluster again before saying
+    /// no: partitions may have been added); answers the partition count.
+    fn check_partition(&self, topic: &str, partition: u32) -> Result<u32, LogError> {
+        let mut count = self.partition_count(topic)?;
+        if partition >= count {
+            count = self
+                .refresh_partition_count(topic)?
+                .ok_or_else(|| LogError::UnknownTopic(topic.to_string()))?;
+        }
+        if partition >= count {
+            return Err(LogError::UnknownPartition {
+                topic: topic.to_string(),
+                partition,
+                partitions: count,
+            });
+        }
+        Ok(count)
+    }
+
+    fn next_round_robin(&self, topic: &str, partitions: u32) -> u32 {
+        let mut counters = self.round_robin.lock().unwrap_or_else(|e| e.into_inner());
+        let counter = counters.entry(topic.to_string()).or_default();
+        counter.fetch_add(1, Ordering::Relaxed) % partitions
+    }
+
+    /// The reader of a partition, assigned at `offset` when it is new.
+    fn partition_reader(&self, topic: &str, partition: u32, offset: u64) -> Result<SharedReader, LogError> {
+        let mut readers = self.partition_readers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(reader) = readers.get(&(topic.to_string(), partition)) {
+            return Ok(reader.clone());
+        }
+        let mut queue = self.split(topic, partition)?;
+        self.watch(&mut queue, topic, partition);
+        self.assign_at(topic, partition, offset)?;
+        let reader = Arc::new(Mutex::new(PartitionReader {
+            topic: topic.to_string(),
+            partition,
+            queue,
+            next: offset,
+        }));
+        readers.insert((topic.to_string(), partition), reader.clone());
+        Ok(reader)
+    }
+
+    /// Splits off a partition's queue. Done before the partition is assigned:
+    /// a queue split first is marked as the application's, so the fetcher
+    /// never routes it to the main queue (split after, the first fetched
+    /// records could already have gone there).
+    fn split(&self, topic: &str, partition: u32) -> Result<PartitionQueue<ClientLog>, LogError> {
+        self.reader
+            .split_partition_queue(topic, partition as i32)
+            .ok_or_else(|| LogError::Unavailable(format!("no queue for {topic}-{partition}")))
+    }
+
+    /// Adds a partition at `offset` to the reader's assignment; the fetcher
+    /// starts in the background.
+    fn assign_at(&self, topic: &str, partition: u32, offset: u64) -> Result<(), LogError> {
+        let mut assignment = TopicPartitionList::new();
+        assignment
+            .add_partition_offset(topic, partition as i32, Offset::Offset(offset as i64))
+            .map_err(unavailable("assignment"))?;
+        self.reader
+            .incremental_assign(&assignment)
+            .map_err(unavailable("assign"))
+    }
+
+    /// Makes records arriving in an empty queue call the append listeners.
+    /// The callback fires only when the queue goes from empty to non-empty,
+    /// and librdkafka also queues control events (a version barrier at each
+    /// assignment and seek). So it is set before the partition is assigned, and
+    /// every read serves the queue: a barrier then wakes the runtime once (a
+    /// harmless empty read) instead of leaving the queue non-empty and the
+    /// callback silent.
+    fn watch(&self, queue: &mut PartitionQueue<ClientLog>, topic: &str, partition: u32) {
+        let events = self.events.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let name: Arc<str> = topic.into();
+        queue.set_nonempty_callback(move || {
+            let _ = events.send(Event::Appended(name.clone(), partition));
+        });
+    }
+
+    /// The high watermark librdkafka last saw in a fetch response of a
+    /// partition being read; `None` when it has none yet.
+    fn cached_high_watermark(&self, topic: &str, partition: u32) -> Option<u64> {
+        let known = self
+            .partition_readers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&(topic.to_string(), partition));
+        if !known {
+            return None;
+        }
+        let topic = std::ffi::CString::new(topic).ok()?;
+        let (mut low, mut high) = (-1i64, -1i64);
+        // SAFETY: the client handle lives as long as `self.reader`; the topic is a
+        // NUL-terminated string and both out-pointers outlive the call, which
+        // only reads librdkafka's cache (rdkafka wraps the network variant only).
+        let err = unsafe {
+            rdkafka::bindings::rd_kafka_get_watermark_offsets(
+                self.reader.client().native_ptr(),
+                topic.as_ptr(),
+                partition as i32,
+                &mut low,
+                &mut high,
+            )
+        };
+        (err == rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR && high >= 0)
+            .then_some(high as u64)
+    }
+
+    fn appended_end(&self, topic: &str, partition: u32) -> u64 {
+        self.appended_end
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(topic.to_string(), partition))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// The partition's start and end offsets, from its leader. A partition
+    /// whose leader is moving (or was just created) answers with a retriable
+    /// error for a moment: asked again until `REQUEST_TIMEOUT`.
+    fn watermarks(&self, topic: &str, partition: u32) -> Result<(u64, u64), LogError> {
+        let deadline = Instant::now() + REQUEST_TIMEOUT;
+        loop {
+            match self
+                .reader
+                .fetch_watermarks(topic, partition as i32, REQUEST_TIMEOUT)
+            {
+                Ok((low, high)) => return Ok((low.max(0) as u64, high.max(0) as u64)),
+                Err(e) if Instant::now() < deadline && is_leader_moving(&e) => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => return Err(unavailable("watermarks")(e)),
+            }
+        }
+    }
+
+    /// The consumer that commits for `group` (created on first use).
+    fn committer(&self, group: &str) -> Result<Arc<BaseConsumer<ClientLog>>, LogError> {
+        let mut committers = self.committers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(committer) = committers.get(group) {
+            return Ok(committer.clone());
+        }
+        let mut config = ClientConfig::new();
+        for (key, value) in &self.client_settings {
+            config.set(key, value);
+        }
+        let committer: BaseConsumer<ClientLog> = config
+            .set("bootstrap.servers", &self.bootstrap_servers)
+            .set("client.id", "taskstream-committer")
+            .set("group.id", group)
+            .set("enable.auto.commit", "false")
+            .set("allow.auto.create.topics", "false")
+            .create_with_context(ClientLog)
+            .map_err(client_error("committer"))?;
+        let committer = Arc::new(committer);
+        committers.insert(group.to_string(), committer.clone());
+        Ok(committer)
+    }
+
+    /// Creates `topic`; answers whether it existed already.
+    fn create_topic(&self, topic: &str, partitions: u32) -> Result<bool, LogError> {
+        let compacted = topic.ends_with("-changelog") || topic.ends_with("-metadata");
+        let mut new_topic = NewTopic::new(
+            topic,
+            partitions as i32,
+            TopicReplication::Fixed(self.replication_factor),
+        );
+        if compacted {
+            new_topic = new_topic.set("cleanup.policy", "compact");
+        }
+        let options = AdminOptions::new().operation_timeout(Some(REQUEST_TIMEOUT));
+        let results = block_on(self.admin.create_topics([&new_topic], &options))
+            .map_err(unavailable("create topic"))?;
+        for result in results {
+            match result {
+                Ok(_) => {}
+                Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => return Ok(true),
+                Err((name, code)) => {
+                    return Err(LogError::Unavailable(format!(
+                        "cannot create topic `{name}`: {code}"
+                    )));
+                }
+            }
+        }
+        Ok(false)
+    }
+}
+
+impl Drop for KafkaLog {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // The queues' callbacks hold senders; dropping the queues first stops them.
+        self.partition_readers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        let _ = self
+            .events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(Event::Stop);
+        let current = std::thread::current().id();
+        for thread in self.threads.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            // The poller may hold the last reference for a moment; it cannot join itself.
+            if thread.thread().id() != current {
+                let _ = thread.join();
+            }
+        }
+    }
+}
+
+impl Log for KafkaLog {
+    fn ensure_topic(&self, topic: &str, partitions: u32) -> Result<(), LogError> {
+        let existing = match self.refresh_partition_count(topic)? {
+            Some(existing) => existing,
+            None => {
+                let raced = self.create_topic(topic, partitions)?;
+                // Metadata reaches every broker shortly after creation; wait
+                // until this client sees every partition with a leader, so
+                // the next call finds the topic ready.
+                let deadline = Instant::now() + REQUEST_TIMEOUT;
+                loop {
+                    match self.refresh_partition_count(topic)? {
+                        Some(count) if (raced || count >= partitions) && self.has_leaders(topic)? => {
+                            break count;
+                        }
+                        _ if Instant::now() >= deadline => {
+                            return Err(LogError::Unavailable(format!(
+                                "topic `{topic}` was created but its metadata did not appear within {REQUEST_TIMEOUT:?}"
+                            )));
+                        }
+                        // Polling the cluster's metadata, which has no notification.
+                        _ => std::thread::sleep(Duration::from_millis(20)),
+                    }
+                }
+            }
+        };
+        if existing != partitions {
+            return Err(LogError::PartitionCountMismatch {
+                topic: topic.to_string(),
+                existing,
+                requested: partitions,
+            });
+        }
+        Ok(())
+    }
+
+    fn partitions(&self, topic: &str) -> Result<u32, LogError> {
+        self.partition_count(topic)
+    }
+
+    fn append(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<Vec<RecordPosition>, LogError> {
+        let partitions = self.partition_count(topic)?;
+        if let Some(bad) = records
+            .iter()
+            .filter_map(|r| r.partition)
+            .find(|&p| p >= partitions)
+        {
+            // The cluster may know more partitions than the cache.
+            self.check_partition(topic, bad)?;
+        }
+        if records.is_empty() {
+            return Ok(Vec::new());
+        }
+        let batch = Arc::new(Batch::new(records.len()));
+        let mut sent = 0;
+        let mut send_error = None;
+        for (index, record) in records.iter().enumerate() {
+            let partition = match (record.partition, &record.key) {
+                (Some(p), _) => Some(p),
+                // librdkafka's murmur2_random: Kafka's Java default for keys.
+                (None, Some(_)) => None,
+                (None, None) => Some(self.next_round_robin(topic, partitions)),
+            };
+            let mut headers = OwnedHeaders::new_with_capacity(record.headers.len());
+            for (name, value) in &record.headers {
+                headers = headers.insert(Header {
+                    key: name,
+                    value: Some(&value[..]),
+                });
+            }
+            let mut message = BaseRecord::with_opaque_to(
+                topic,
+                Box::new(Delivery {
+                    batch: batch.clone(),
+                    index,
+                }),
+            )
+            .payload(&record.value[..])
+            .headers(headers);
+            if let Some(key) = &record.key {
+                message = message.key(&key[..]);
+            }
+            if let Some(partition) = partition {
+                message = message.partition(partition as i32);
+            }
+            if let Some(timestamp) = record.timestamp_ms {
+                message = message.timestamp(timestamp);
+            }
+            // A full local queue drains as deliveries complete: wait for some.
+            let deadline = Instant::now() + REQUEST_TIMEOUT;
+            let outcome = loop {
+                match self.producer.send(message) {
+                    Ok(()) => break Ok(()),
+                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
+                        if Instant::now() < deadline =>
+                    {
+                        message = back;
+                        batch.wait_for_progress(Duration::from_millis(10));
+                    }
+                    Err((e, _)) => break Err(e),
+                }
+            };
+            match outcome {
+                Ok(()) => sent += 1,
+                Err(e) => {
+                    send_error = Some(LogError::Unavailable(format!("cannot send to `{topic}`: {e}")));
+                    break;
+                }
+            }
+        }
+        let result = batch.wait(sent);
+        let delivered = match (&result, send_error) {
+            (_, Some(error)) => Err(error),
+            (Ok(positions), None) => Ok(positions.clone()),
+            (Err(e), None) => Err(e.clone()),
+        };
+        // Whatever was delivered moved the end, even when the batch failed.
+        let landed: Vec<RecordPosition> = match &result {
+            Ok(positions) => positions.clone(),
+            Err(_) => batch.delivered_positions(),
+        };
+        let mut touched = HashSet::new();
+        {
+            let mut ends = self.appended_end.lock().unwrap_or_else(|e| e.into_inner());
+            for position in &landed {
+                let end = ends.entry((topic.to_string(), position.partition)).or_insert(0);
+                *end = (*end).max(position.offset + 1);
+                touched.insert(position.partition);
+            }
+        }
+        for partition in touched {
+            self.notify(topic, partition);
+        }
+        delivered
+    }
+
+    fn read(
+        &self,
+        topic: &str,
+        partition: u32,
+        offset: u64,
+        max: usize,
+        out: &mut Vec<Record>,
+    ) -> Result<(), LogError> {
+        self.check_partition(topic, partition)?;
+        if max == 0 {
+            return Ok(());
+        }
+        let reader = self.partition_reader(topic, partition, offset)?;
+        let mut guard = reader.lock().unwrap_or_else(|e| e.into_inner());
+        // A plain reference, so the queue and the position borrow apart.
+        let reader: &mut PartitionReader = &mut guard;
+        let end = match self.cached_high_watermark(topic, partition) {
+            Some(high) => high.max(self.appended_end(topic, partition)),
+            None => self.end_offset(topic, partition)?,
+        };
+        if offset > end {
+            return Ok(());
+        }
+        // At the end the reader still stands at `offset`, so that records
+        // appended there fill the queue and fire its callback.
+        if reader.next != offset {
+            self.seek(reader, offset)?;
+        }
+        // Wait for records the end offset promises; at the end, only take what
+        // is queued. Either way the queue is served, which also consumes
+        // librdkafka's control events: its callback fires only when the queue
+        // goes from empty to non-empty, so nothing may linger there.
+        let promised = offset < end;
+        let first_len = out.len();
+        let deadline = Instant::now() + FETCH_WAIT;
+        while out.len() - first_len < max {
+            // Wait only for the first record; then take what is already here.
+            let wait = if promised && out.len() == first_len {
+                deadline.saturating_duration_since(Instant::now())
+            } else {
+                Duration::ZERO
+            };
+            match reader.queue.poll(wait) {
+                Some(Ok(message)) => {
+                    let message_offset = message.offset().max(0) as u64;
+                    if message_offset < offset {
+                        // Left over from before a seek.
+                        continue;
+                    }
+                    reader.next = message_offset + 1;
+                    out.push(to_record(&message, partition));
+                }
+                // With `auto.offset.reset = error` an offset the broker no
+                // longer has stops the fetcher and arrives here.
+                Some(Err(KafkaError::MessageConsumption(
+                    code @ (RDKafkaErrorCode::OffsetOutOfRange | RDKafkaErrorCode::AutoOffsetReset),
+                ))) => {
+                    // The fetcher stopped; the next read seeks.
+                    reader.next = u64::MAX;
+                    let (earliest, _) = self.watermarks(topic, partition)?;
+                    if offset < earliest {
+                        return Err(LogError::OffsetOutOfRange {
+                            topic: topic.to_string(),
+                            partition,
+                            requested: offset,
+                            earliest,
+                        });
+                    }
+                    return Err(LogError::Unavailable(format!(
+                        "reading {topic}-{partition} from {offset}: {code}"
+                    )));
+                }
+                Some(Err(e)) => {
+                    if out.len() > first_len {
+                        break;
+                    }
+                    return Err(LogError::Unavailable(format!("reading {topic}-{partition}: {e}")));
+                }
+                None if promised && out.len() == first_len && Instant::now() < deadline => {}
+                None if promised && out.len() == first_len => {
+                    return Err(LogError::Unavailable(format!(
+                        "{topic}-{partition} holds offsets up to {end} but none arrived from {offset} within {FETCH_WAIT:?}"
+                    )));
+                }
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
+    fn end_offset(&self, topic: &str, partition: u32) -> Result<u64, LogError> {
+        self.check_partition(topic, partition)?;
+        let appended = self.appended_end(topic, partition);
+        let high = match self.cached_high_watermark(topic, partition) {
+            Some(high) => high,
+            None => self.watermarks(topic, partition)?.1,
+        };
+        Ok(high.max(appended))
+    }
+
+    fn start_offset(&self, topic: &str, partition: u32) -> Result<u64, LogError> {
+        self.check_partition(topic, partition)?;
+        Ok(self.watermarks(topic, partition)?.0)
+    }
+
+    fn commit(&self, group: &str, topic: &str, partition: u32, offset: u64) -> Result<(), LogError> {
+        self.check_partition(topic, partition)?;
+        let mut offsets = TopicPartitionList::new();
+        offsets
+            .add_partition_offset(topic, partition as i32, Offset::Offset(offset as i64))
+            .map_err(unavailable("commit"))?;
+        self.committer(group)?
+            .commit(&offsets, CommitMode::Sync)
+            .map_err(unavailable("commit"))
+    }
+
+    fn committed(&self, group: &str, topic: &str, partition: u32) -> Result<Option<u64>, LogError> {
+        self.check_partition(topic, partition)?;
+        let mut wanted = TopicPartitionList::new();
+        wanted.add_partition(topic, partition as i32);
+        let answer = self
+            .committer(group)?
+            .committed_offsets(wanted, REQUEST_TIMEOUT)
+            .map_err(unavailable("committed offsets"))?;
+        let committed = answer
+            .find_partition(topic, partition as i32)
+            .and_then(|element| match element.offset() {
+                Offset::Offset(offset) if offset >= 0 => Some(offset as u64),
+                _ => None,
+            });
+        Ok(committed)
+    }
+
+    fn add_append_listener(&self, listener: AppendListener) {
+        self.listeners
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(listener);
+    }
+
+    /// Kafka applies its own retention (`retention.ms`, `retention.bytes` of
+    /// the topic): nothing to do here but answer where the partition starts.
+    fn enforce_retention(
+        &self,
+        topic: &str,
+        partition: u32,
+        _retention: Retention,
+        _keep_from: u64,
+        _now_ms: i64,
+    ) -> Result<u64, LogError> {
+        self.start_offset(topic, partition)
+    }
+}
+
+impl KafkaLog {
+    /// Moves a partition's reader to `offset`. librdkafka drops what the queue
+    /// prefetched from the old position.
+    fn seek(&self, reader: &mut PartitionReader, offset: u64) -> Result<(), LogError> {
+        let sought = self.reader.seek(
+            &reader.topic,
+            reader.partition as i32,
+            Offset::Offset(offset as i64),
+            REQUEST_TIMEOUT,
+        );
+        if sought.is_err() {
+            // A partition whose fetcher stopped on an error, or that was
+            // assigned a moment ago and is not fetching yet, refuses a seek
+            // ("erroneous state"): assign it again at `offset` instead.
+            let mut unassign = TopicPartitionList::new();
+            unassign.add_partition(&reader.topic, reader.partition as i32);
+            self.reader
+                .incremental_unassign(&unassign)
+                .map_err(unavailable("unassign"))?;
+            // The new handle is of the same librdkafka queue as the old one,
+            // whose drop clears the queue's callback: replace, then watch.
+            reader.queue = self.split(&reader.topic, reader.partition)?;
+            self.watch(&mut reader.queue, &reader.topic, reader.partition);
+            self.assign_at(&reader.topic, reader.partition, offset)?;
+        }
+        reader.next = offset;
+        Ok(())
+    }
+}
+
+fn to_record(message: &BorrowedMessage<'_>, partition: u32) -> Record {
+    let headers = message
+        .headers()
+        .map(|headers| {
+            headers
+                .iter()
+                .map(|h| {
+                    (
+                        h.key.to_string(),
+                        Bytes::copy_from_slice(h.value.unwrap_or_default()),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Record {
+        partition,
+        offset: message.offset().max(0) as u64,
+        timestamp_ms: message.timestamp().to_millis().unwrap_or(0),
+        key: message.key().map(Bytes::copy_from_slice),
+        value: message.payload().map(Bytes::copy_from_slice).unwrap_or_default(),
+        headers,
+    }
+}
+
+/// The delivery reports of one `append`: each record's position, in order.
+struct Batch {
+    state: Mutex<BatchState>,
+    progress: Condvar,
+}
+
+struct BatchState {
+    positions: Vec<Option<RecordPosition>>,
+    reported: usize,
+    error: Option<LogError>,
+}
+
+impl Batch {
+    fn new(len: usize) -> Batch {
+        Batch {
+            state: Mutex::new(BatchState {
+                positions: vec![None; len],
+                reported: 0,
+                error: None,
+            }),
+            progress: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BatchState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn report(&self, index: usize, result: Result<RecordPosition, LogError>) {
+        let mut state = self.lock();
+        match result {
+            Ok(position) => state.positions[index] = Some(position),
+            Err(error) => {
+                state.error.get_or_insert(error);
+            }
+        }
+        state.reported += 1;
+        self.progress.notify_all();
+    }
+
+    fn wait_for_progress(&self, timeout: Duration) {
+        let state = self.lock();
+        let before = state.reported;
+        let _ = self
+            .progress
+            .wait_timeout_while(state, timeout, |s| s.reported == before);
+    }
+
+    /// Waits for the reports of the first `sent` records. librdkafka reports
+    /// every enqueued record (`message.timeout.ms` bounds it), so this ends.
+    fn wait(&self, sent: usize) -> Result<Vec<RecordPosition>, LogError> {
+        let mut state = self.lock();
+        while state.reported < sent {
+            state = self.progress.wait(state).unwrap_or_else(|e| e.into_inner());
+        }
+        if let Some(error) = &state.error {
+            return Err(error.clone());
+        }
+        state.positions[..sent]
+            .iter()
+            .map(|p| p.ok_or_else(|| LogError::Unavailable("a record was not delivered".into())))
+            .collect()
+    }
+
+    fn delivered_positions(&self) -> Vec<RecordPosition> {
+        self.lock().positions.iter().flatten().copied().collect()
+    }
+}
+
+struct Delivery {
+    batch: Arc<Batch>,
+    index: usize,
+}
+
+/// librdkafka's log lines through `tracing` (target `librdkafka`), less its
+/// warning that a setting does not apply to this kind of client: the
+/// `[kafka]` table goes to producer and consumers alike, by design.
+struct ClientLog;
+
+impl ClientContext for ClientLog {
+    fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
+        forward_log(level, facility, message);
+    }
+}
+
+impl ConsumerContext for ClientLog {}
+
+fn forward_log(level: RDKafkaLogLevel, facility: &str, message: &str) {
+    if facility == "CONFWARN" && message.contains("will be ignored by this") {
+        tracing::debug!(target: "librdkafka", "{facility} {message}");
+        return;
+    }
+    match level {
+        RDKafkaLogLevel::Emerg
+        | RDKafkaLogLevel::Alert
+        | RDKafkaLogLevel::Critical
+        | RDKafkaLogLevel::Error => {
+            tracing::error!(target: "librdkafka", "{facility} {message}");
+        }
+        RDKafkaLogLevel::Warning => tracing::warn!(target: "librdkafka", "{facility} {message}"),
+        RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
+            tracing::info!(target: "librdkafka", "{facility} {message}");
+        }
+        RDKafkaLogLevel::Debug => tracing::debug!(target: "librdkafka", "{facility} {message}"),
+    }
+}
+
+/// Hands each delivery report to its batch.
+struct DeliveryContext;
+
+impl ClientContext for DeliveryContext {
+    fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
+        forward_log(level, facility, message);
+    }
+}
+
+impl ProducerContext for DeliveryContext {
+    type DeliveryOpaque = Box<Delivery>;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, delivery: Box<Delivery>) {
+        let result = match result {
+            Ok(message) => Ok(RecordPosition {
+                partition: message.partition().max(0) as u32,
+                offset: message.offset().max(0) as u64,
+            }),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::UnknownTopicOrPartition), message)) => {
+                Err(LogError::UnknownTopic(message.topic().to_string()))
+            }
+            Err((e, message)) => Err(LogError::Unavailable(format!(
+                "delivery to `{}` failed: {e}",
+                message.topic()
+            ))),
+        };
+        delivery.batch.report(delivery.index, result);
+    }
+}
+
+/// Errors that mean "no leader to answer yet": a new topic, a leader election.
+fn is_leader_moving(error: &KafkaError) -> bool {
+    matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::NotLeaderForPartition
+                | RDKafkaErrorCode::LeaderNotAvailable
+                | RDKafkaErrorCode::UnknownTopicOrPartition
+                | RDKafkaErrorCode::UnknownLeaderEpoch
+                | RDKafkaErrorCode::FencedLeaderEpoch
+        )
+    )
+}
+
+fn client_error(what: &'static str) -> impl Fn(KafkaError) -> LogError {
+    move |e| LogError::Unavailable(format!("cannot create the Kafka {what}: {e}"))
+}
+
+fn unavailable(what: &'static str) -> impl Fn(KafkaError) -> LogError {
+    move |e| LogError::Unavailable(format!("kafka {what}: {e}"))
+}
+
+/// Runs an admin future to completion on this thread. The admin client's own
+/// thread completes it; no async runtime is needed (and `Log` is sync).
+fn block_on<F: Future>(future: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut context = Context::from_waker(&waker);
+    let mut future = std::pin::pin!(future);
+    loop {
+        match future.as_mut().poll(&mut context) {
+            Poll::Ready(output) => return output,
+            Poll::Pending => std::thread::park(),
+        }
+    }
+}
+
+/// The test broker (Apache Kafka itself), shared with the end-to-end tests.
+#[cfg(test)]
+#[path = "../../../tests/common/kafka.rs"]
+mod test_broker;
+
+#[cfg(test)]
+mod tests {
+    use super::test_broker::{broker, unique};
+    use super::*;
+    use crate::log::contract;
+
+    fn connect(bootstrap: &str) -> Arc<KafkaLog> {
+        KafkaLog::with_settings(bootstrap, &BTreeMap::new(), 1).expect("connect to the test broker")
+    }
+
+    /// The contract's fixed names (`t`, `g`, …) made unique per test, since
+    /// every test of the binary shares one broker.
+    struct Namespaced {
+        log: Arc<KafkaLog>,
+        prefix: String,
+    }
+
+    impl Namespaced {
+        fn new(log: Arc<KafkaLog>) -> Namespaced {
+            Namespaced {
+                log,
+                prefix: unique("contract"),
+            }
+        }
+
+        fn name(&self, name: &str) -> String {
+            format!("{}-{name}", self.prefix)
+        }
+
+        /// Errors name the caller's topic, not the prefixed one.
+        fn strip(&self, error: LogError) -> LogError {
+            let strip = |topic: String| {
+                topic
+                    .strip_prefix(&format!("{}-", self.prefix))
+                    .map(str::to_string)
+                    .unwrap_or(topic)
+            };
+            match error {
+                LogError::UnknownTopic(topic) => LogError::UnknownTopic(strip(topic)),
+                LogError::UnknownPartition {
+                    topic,
+                    partition,
+                    partitions,
+                } => LogError::UnknownPartition {
+                    topic: strip(topic),
+                    partition,
+                    partitions,
+                },
+                LogError::PartitionCountMismatch {
+                    topic,
+                    existing,
+                    requested,
+                } => LogError::PartitionCountMismatch {
+                    topic: strip(topic),
+                    existing,
+                    requested,
+                },
+                other => other,
+            }
+        }
+    }
+
+    impl Log for Namespaced {
+        fn ensure_topic(&self, topic: &str, partitions: u32) -> Result<(), LogError> {
+            self.log
+                .ensure_topic(&self.name(topic), partitions)
+                .map_err(|e| self.strip(e))
+        }
+        fn partitions(&self, topic: &str) -> Result<u32, LogError> {
+            self.log.partitions(&self.name(topic)).map_err(|e| self.strip(e))
+        }
+        fn append(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<Vec<RecordPosition>, LogError> {
+            self.log
+                .append(&self.name(topic), records)
+                .map_err(|e| self.strip(e))
+        }
+        fn read(
+            &self,
+            topic: &str,
+            p: u32,
+            offset: u64,
+            max: usize,
+            out: &mut Vec<Record>,
+        ) -> Result<(), LogError> {
+            self.log
+                .read(&self.name(topic), p, offset, max, out)
+                .map_err(|e| self.strip(e))
+        }
+        fn end_offset(&self, topic: &str, p: u32) -> Result<u64, LogError> {
+            self.log
+                .end_offset(&self.name(topic), p)
+                .map_err(|e| self.strip(e))
+        }
+        fn start_offset(&self, topic: &str, p: u32) -> Result<u64, LogError> {
+            self.log
+                .start_offset(&self.name(topic), p)
+                .map_err(|e| self.strip(e))
+        }
+        fn commit(&self, group: &str, topic: &str, p: u32, offset: u64) -> Result<(), LogError> {
+            self.log
+                .commit(&self.name(group), &self.name(topic), p, offset)
+                .map_err(|e| self.strip(e))
+        }
+        fn committed(&self, group: &str, topic: &str, p: u32) -> Result<Option<u64>, LogError> {
+            self.log
+                .committed(&self.name(group), &self.name(topic), p)
+                .map_err(|e| self.strip(e))
+        }
+        fn add_append_listener(&self, listener: AppendListener) {
+            self.log.add_append_listener(listener);
+        }
+        fn enforce_retention(
+            &self,
+            topic: &str,
+            p: u32,
+            retention: Retention,
+            keep_from: u64,
+            now_ms: i64,
+        ) -> Result<u64, LogError> {
+            self.log
+                .enforce_retention(&self.name(topic), p, retention, keep_from, now_ms)
+                .map_err(|e| self.strip(e))
+        }
+    }
+
+    // The shared contract. What it does not cover on Kafka: retention (Kafka's
+    // own applies; `enforce_retention` only answers the start offset, tested
+    // below) and atomic batches (checked before sending; see the module doc).
+
+    #[test]
+    fn contract_keyed_records_follow_kafkas_partitioner() {
+        let Some(broker) = broker() else { return };
+        contract::keyed_records_follow_kafkas_partitioner(&Namespaced::new(connect(&broker.bootstrap)));
+    }
+
+    #[test]
+    fn contract_unkeyed_records_are_spread_and_bad_batches_rejected_whole() {
+        let Some(broker) = broker() else { return };
+        contract::unkeyed_records_are_spread_and_bad_batches_rejected_whole(&Namespaced::new(connect(
+            &broker.bootstrap,
+        )));
+    }
+
+    #[test]
+    fn contract_commits_are_per_group_and_partition() {
+        let Some(broker) = broker() else { return };
+        contract::commits_are_per_group_and_partition(&Namespaced::new(connect(&broker.bootstrap)));
+    }
+
+    /// Keys land where Kafka's Java client puts them: librdkafka's
+    /// `murmur2_random` against the vectors of Kafka's own partitioner.
+    #[test]
+    fn keyed_records_land_on_the_java_clients_partition() {
+        let Some(broker) = broker() else { return };
+        let log = connect(&broker.bootstrap);
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/data/kafka-default-partitioner.tsv"
+        );
+        let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {path}: {e}"));
+        let rows: Vec<Vec<&str>> = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .map(|l| l.split('\t').collect())
+            .collect();
+        assert!(rows.len() >= 18, "{path} has {} rows", rows.len());
+        for (partitions, column) in [(8, 2), (12, 3), (100, 4)] {
+            let topic = unique(&format!("partitioner-{partitions}"));
+            log.ensure_topic(&topic, partitions).unwrap();
+            let records = rows
+                .iter()
+                .map(|row| ProducerRecord::keyed(row[0].as_bytes().to_vec(), "v"))
+                .collect();
+            let positions = log.append(&topic, records).unwrap();
+            for (row, position) in rows.iter().zip(&positions) {
+                assert_eq!(
+                    position.partition,
+                    row[column].parse::<u32>().unwrap(),
+                    "key {:?} among {partitions} partitions",
+                    row[0]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn changelog_and_metadata_topics_are_created_compacted() {
+        let Some(broker) = broker() else { return };
+        let log = connect(&broker.bootstrap);
+        let app = unique("app");
+        let cases = [
+            (format!("{app}-counts-changelog"), "compact"),
+            (format!("{app}-metadata"), "compact"),
+            (format!("{app}-counts-retry"), "delete"),
+            (format!("{app}-events"), "delete"),
+        ];
+        for (topic, _) in &cases {
+            log.ensure_topic(topic, 3).unwrap();
+            // Idempotent: a second call finds it with the same partitions.
+            log.ensure_topic(topic, 3).unwrap();
+            assert_eq!(log.partitions(topic).unwrap(), 3);
+        }
+        let resources: Vec<_> = cases
+            .iter()
+            .map(|(topic, _)| rdkafka::admin::ResourceSpecifier::Topic(topic))
+            .collect();
+        let described = block_on(log.admin.describe_configs(
+            &resources,
+            &AdminOptions::new().request_timeout(Some(REQUEST_TIMEOUT)),
+        ))
+        .unwrap();
+        for ((topic, policy), resource) in cases.iter().zip(described) {
+            let resource = resource.unwrap_or_else(|e| panic!("describe {topic}: {e}"));
+            let found = resource
+                .get("cleanup.policy")
+                .and_then(|entry| entry.value.clone());
+            assert_eq!(found.as_deref(), Some(*policy), "cleanup.policy of {topic}");
+        }
+    }
+
+    /// Kafka pushes nothing: a caught-up reader learns of records another
+    /// client produced through its partition queue's callback.
+    #[test]
+    fn listeners_hear_of_records_another_client_produced() {
+        let Some(broker) = broker() else { return };
+        let reader = connect(&broker.bootstrap);
+        let writer = connect(&broker.bootstrap);
+        let topic = unique("listened");
+        reader.ensure_topic(&topic, 2).unwrap();
+        let (heard, hearing) = mpsc::channel();
+        let wanted = topic.clone();
+        reader.add_append_listener(Arc::new(move |topic, partition| {
+            if topic == wanted {
+                let _ = heard.send(partition);
+            }
+        }));
+        let mut out = Vec::new();
+        reader.read(&topic, 1, 0, 10, &mut out).unwrap();
+        assert!(out.is_empty());
+        writer
+            .append(
+                &topic,
+                vec![ProducerRecord {
+                    value: "hello".into(),
+                    partition: Some(1),
+                    ..Default::default()
+                }],
+            )
+            .unwrap();
+        // As the runtime does: read once after each call. A call may come
+        // with nothing to read (librdkafka's control events wake it too), but
+        // the record must arrive through calls alone.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while out.is_empty() {
+            let partition = hearing
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                .expect("the reader's listener was not called for the record");
+            assert_eq!(partition, 1);
+            reader.read(&topic, 1, 0, 10, &mut out).unwrap();
+        }
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].value, "hello");
+        assert_eq!(reader.end_offset(&topic, 1).unwrap(), 1);
+    }
+
+    /// Everything a record carries survives the round trip; a large batch is
+    /// appended in one go and read back in order, sequentially and after
+    /// seeks; offsets before the start are out of range.
+    #[test]
+    fn records_round_trip_and_deleted_offsets_are_out_of_range() {
+        let Some(broker) = broker() else { return };
+        let log = connect(&broker.bootstrap);
+        let topic = unique("roundtrip");
+        log.ensure_topic(&topic, 1).unwrap();
+        let first = ProducerRecord {
+            key: Some("k".into()),
+            value: "v".into(),
+            partition: None,
+            timestamp_ms: Some(1_700_000_000_123),
+            headers: vec![("h1".into(), "x".into()), ("h2".into(), Bytes::new())],
+        };
+        log.append(&topic, vec![first.clone()]).unwrap();
+        let count = 20_000;
+        let records: Vec<ProducerRecord> = (0..count)
+            .map(|i| ProducerRecord {
+                value: format!("{i}").into(),
+                partition: Some(0),
+                ..Default::default()
+            })
+            .collect();
+        let started = Instant::now();
+        let positions = log.append(&topic, records).unwrap();
+        let appended_in = started.elapsed();
+        let offsets: Vec<u64> = positions.iter().map(|p| p.offset).collect();
+        assert_eq!(offsets, (1..=count as u64).collect::<Vec<_>>());
+
+        let mut out = Vec::new();
+        log.read(&topic, 0, 0, 1, &mut out).unwrap();
+        assert_eq!(out[0].offset, 0, "{:?}", out[0]);
+        assert_eq!(out[0].key.as_deref(), Some(&b"k"[..]));
+        assert_eq!(out[0].value, "v");
+        assert_eq!(out[0].timestamp_ms, 1_700_000_000_123);
+        assert_eq!(out[0].headers, first.headers);
+
+        let started = Instant::now();
+        let mut next = 1;
+        while next <= count as u64 {
+            out.clear();
+            log.read(&topic, 0, next, 500, &mut out).unwrap();
+            assert!(!out.is_empty() && out.len() <= 500);
+            for record in &out {
+                assert_eq!(record.offset, next);
+                assert_eq!(record.value, format!("{}", next - 1));
+                next += 1;
+            }
+        }
+        let read_in = started.elapsed();
+        eprintln!(
+            "{count} records: appended in {:.0} ms, read back in {:.0} ms",
+            appended_in.as_secs_f64() * 1e3,
+            read_in.as_secs_f64() * 1e3
+        );
+        out.clear();
+        log.read(&topic, 0, 10_000, 3, &mut out).unwrap();
+        let found: Vec<u64> = out.iter().map(|r| r.offset).collect();
+        assert_eq!(found, vec![10_000, 10_001, 10_002], "after a seek back");
+
+        // Kafka removes records (here by DeleteRecords, as retention would);
+        // reading below the new start is out of range, not silently skipped.
+        let mut below = TopicPartitionList::new();
+        below
+            .add_partition_offset(&topic, 0, Offset::Offset(5_000))
+            .unwrap();
+        block_on(log.admin.delete_records(
+            &below,
+            &AdminOptions::new().operation_timeout(Some(REQUEST_TIMEOUT)),
+        ))
+        .unwrap();
+        assert_eq!(log.start_offset(&topic, 0).unwrap(), 5_000);
+        assert_eq!(
+            log.enforce_retention(&topic, 0, Retention::default(), 0, 0)
+                .unwrap(),
+            5_000
+        );
+        match log.read(&topic, 0, 10, 10, &mut out) {
+            Err(LogError::OffsetOutOfRange {
+                requested: 10,
+                earliest: 5_000,
+                ..
+            }) => {}
+            other => panic!("expected OffsetOutOfRange, got {other:?}"),
+        }
+        out.clear();
+        log.read(&topic, 0, 5_000, 1, &mut out).unwrap();
+        assert_eq!(out[0].offset, 5_000);
+    }
+}

@@ -1,0 +1,207 @@
+//! taskstream on Apache Kafka, end to end: the server binary started with
+//! `--bootstrap-servers` against a real broker (tests/common/kafka.rs), records
+//! through the gRPC Produce, counts through Query, and the topics in Kafka.
+
+mod common;
+
+use common::kafka::{broker, unique};
+use common::server_binary;
+use std::collections::BTreeMap;
+use std::io::{BufRead as _, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+use taskstream_client::{StreamsClient, keyed_record};
+
+/// Bound on anything the server should do promptly (start, catch up).
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// The server binary, killed on drop.
+struct ServerProcess {
+    child: Child,
+    addr: String,
+    stdout: Vec<String>,
+}
+
+impl ServerProcess {
+    /// Starts the binary on port 0 and waits for `taskstream listening on ADDR`.
+    fn start(config: &std::path::Path, bootstrap: &str) -> ServerProcess {
+        let mut command = Command::new(server_binary());
+        for (name, _) in std::env::vars_os() {
+            if name.to_string_lossy().starts_with("TASKSTREAM_") {
+                command.env_remove(name);
+            }
+        }
+        command
+            .env("RUST_LOG", "info")
+            .arg("--config")
+            .arg(config)
+            .args([
+                "--bootstrap-servers",
+                bootstrap,
+                "--in-memory",
+                "--listen",
+                "127.0.0.1:0",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = command.spawn().expect("start the server binary");
+        let stdout = child.stdout.take().expect("stdout");
+        let (lines, received) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if lines.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut server = ServerProcess {
+            child,
+            addr: String::new(),
+            stdout: Vec::new(),
+        };
+        let deadline = Instant::now() + DEADLINE;
+        while let Ok(line) = received.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            let addr = line.strip_prefix("taskstream listening on ").map(str::to_owned);
+            server.stdout.push(line);
+            if let Some(addr) = addr {
+                server.addr = format!("http://{addr}");
+                return server;
+            }
+        }
+        let status = server.child.try_wait().ok().flatten();
+        panic!(
+            "the server did not print `taskstream listening on` (exit: {status:?}); stdout:\n{}",
+            server.stdout.join("\n")
+        );
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn produce_through_grpc_and_query_counts_with_the_topics_in_kafka() {
+    let Some(broker) = broker() else { return };
+    let application = unique("smoke");
+    let topic = format!("{application}-events");
+    let dir = common::TempDir::new("kafka-smoke");
+    let config = dir.0.join("taskstream.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+            application_id = "{application}"
+            num_stream_threads = 2
+            num_threads_per_task = 2
+            commit_interval_ms = 100
+            replication_factor = 1
+            [kafka]
+            "message.timeout.ms" = 30000
+            [[topics]]
+            name = "{topic}"
+            partitions = 4
+            [[pipelines]]
+            name = "counts"
+            source_topic = "{topic}"
+            processor = "count"
+            "#
+        ),
+    )
+    .expect("write the config");
+    let server = ServerProcess::start(&config, &broker.bootstrap);
+    assert!(
+        server
+            .stdout
+            .iter()
+            .any(|line| line.contains(&format!("Apache Kafka at {}", broker.bootstrap))),
+        "the banner names the Kafka log:\n{}",
+        server.stdout.join("\n")
+    );
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    runtime.block_on(async {
+        let client = StreamsClient::connect(server.addr.as_str())
+            .await
+            .expect("connect to the server");
+        let mut expected: BTreeMap<String, u64> = BTreeMap::new();
+        let mut positions = Vec::new();
+        for round in 0..10 {
+            let records: Vec<_> = (0..100)
+                .map(|i| {
+                    let key = format!("key-{}", (i * 7 + round) % 37);
+                    *expected.entry(key.clone()).or_default() += 1;
+                    keyed_record(key, "1")
+                })
+                .collect();
+            let response = client.produce(&topic, records).await.expect("Produce");
+            assert_eq!(response.record_count, 100);
+            positions.extend(response.positions);
+        }
+        // Offsets answered from Kafka's delivery reports: each partition's
+        // offsets are 0, 1, 2, … with no gap and no repeat.
+        let mut per_partition: BTreeMap<u32, Vec<i64>> = BTreeMap::new();
+        for position in &positions {
+            per_partition.entry(position.partition).or_default().push(position.offset);
+        }
+        for (partition, offsets) in &per_partition {
+            assert_eq!(
+                *offsets,
+                (0..offsets.len() as i64).collect::<Vec<_>>(),
+                "offsets of partition {partition}"
+            );
+        }
+
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        loop {
+            let counts: BTreeMap<String, u64> = client
+                .range("counts", None, None)
+                .await
+                .expect("Query")
+                .into_iter()
+                .map(|(key, value)| {
+                    let key = String::from_utf8_lossy(&key).into_owned();
+                    let count = String::from_utf8_lossy(&value).parse().expect("a count");
+                    (key, count)
+                })
+                .collect();
+            if counts == expected {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the counts did not reach the expected ones within {DEADLINE:?}:\n{counts:?}\nexpected {expected:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let metadata = client
+            .process_metadata_for_store("counts", true)
+            .await
+            .expect("ProcessMetadataForStore");
+        let tasks: Vec<_> = metadata.metadata.into_iter().flat_map(|m| m.tasks).collect();
+        assert_eq!(tasks.len(), 4);
+        let end: i64 = tasks.iter().map(|t| t.end_offset).sum();
+        assert_eq!(end, 1000, "the end offsets Kafka reports: {tasks:#?}");
+    });
+
+    // The topics live in Kafka: a second client of the cluster sees them,
+    // internal topics included, with the source's partition count.
+    let log = taskstream_server::log::KafkaLog::with_settings(&broker.bootstrap, &BTreeMap::new(), 1)
+        .expect("connect to the broker");
+    use taskstream_server::Log as _;
+    assert_eq!(log.partitions(&topic).unwrap(), 4);
+    assert_eq!(log.partitions(&format!("{application}-counts-retry")).unwrap(), 4);
+    assert_eq!(log.partitions(&format!("{application}-counts-dlq")).unwrap(), 4);
+    let total: u64 = (0..4).map(|p| log.end_offset(&topic, p).unwrap()).sum();
+    assert_eq!(total, 1000);
+    drop(server);
+}
