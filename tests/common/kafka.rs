@@ -77,7 +77,9 @@ const START_DEADLINE: Duration = Duration::from_secs(180);
 pub struct Broker {
     /// `host:port` for `bootstrap.servers`.
     pub bootstrap: String,
-    /// From the JVM's launch to the first answered request.
+    /// Kafka's StorageTool formatting the data dir (a JVM of its own).
+    pub formatted_in: Duration,
+    /// From the broker JVM's launch to the first answered request.
     pub started_in: Duration,
     pub pid: u32,
     /// The run directory: `server.properties`, `broker.log`, the data.
@@ -159,9 +161,11 @@ fn start() -> State {
     match launch() {
         Ok(broker) => {
             eprintln!(
-                "kafka broker: {} (pid {}) answered {:.1} s after launch, RSS {} MiB; log: {}",
+                "kafka broker: {} (pid {}): storage formatted in {:.1} s, answered {:.1} s after launch, \
+                 RSS {} MiB; log: {}",
                 broker.bootstrap,
                 broker.pid,
+                broker.formatted_in.as_secs_f64(),
                 broker.started_in.as_secs_f64(),
                 broker
                     .rss_kib()
@@ -194,7 +198,9 @@ fn launch() -> Result<Broker, String> {
         fs::write(dir.join("server.properties"), properties)
             .map_err(|e| format!("write server.properties: {e}"))?;
         let _ = fs::remove_dir_all(dir.join("data"));
+        let formatting = Instant::now();
         format_storage(&dir, &classpath)?;
+        let formatted_in = formatting.elapsed();
         let mut java = Command::new("java");
         java.args(JVM_OPTIONS)
             .arg(format!(
@@ -209,6 +215,7 @@ fn launch() -> Result<Broker, String> {
         let pid = child.id();
         let broker = Broker {
             bootstrap: format!("127.0.0.1:{broker_port}"),
+            formatted_in,
             started_in: Duration::ZERO,
             pid,
             dir: dir.clone(),
