@@ -90,8 +90,8 @@ fn produce_through_grpc_and_query_counts_with_the_topics_in_kafka() {
     let Some(broker) = broker() else { return };
     let application = unique("smoke");
     let topic = format!("{application}-events");
-    let dir = common::TempDir::new("kafka-smoke");
-    let config = dir.0.join("taskstream.toml");
+    let dir = taskstream_server::scratch::scratch_dir("kafka-smoke").expect("a scratch dir");
+    let config = dir.path().join("taskstream.toml");
     std::fs::write(
         &config,
         format!(

@@ -1,9 +1,9 @@
 //! Helpers shared by the end-to-end tests (grpcurl, python_grpcio, binary): an
 //! in-process server on 127.0.0.1:0, a subprocess runner with a deadline, and
-//! the tools the tests provision for themselves (`tools`).
+//! the tools the tests provision for themselves (`tools`), and the Apache Kafka
+//! broker of the Kafka tests (`kafka`).
 //! Each test binary compiles this module on its own, hence the `dead_code` allows.
 
-#[allow(dead_code)]
 pub mod kafka;
 #[allow(dead_code)]
 pub mod tools;
