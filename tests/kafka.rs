@@ -1,6 +1,7 @@
 //! taskstream on Apache Kafka, end to end: the server binary started with
 //! `--bootstrap-servers` against a real broker (tests/common/kafka.rs), records
-//! through the gRPC Produce, counts through Query, and the topics in Kafka.
+//! through the gRPC Produce, counts through Query, the topics in Kafka, and the
+//! watermarks committed to the group's offsets at SIGTERM.
 
 mod common;
 
@@ -78,6 +79,29 @@ impl ServerProcess {
     }
 }
 
+impl ServerProcess {
+    /// SIGTERM, then waits (bounded) for the exit; answers whether it was clean.
+    fn terminate(&mut self) -> bool {
+        let sent = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(sent.success(), "kill -TERM failed: {sent}");
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait for the server") {
+                return status.success();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the server did not exit within {DEADLINE:?} of SIGTERM"
+            );
+            // Polling the process: it drains and commits first.
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
 impl Drop for ServerProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -114,7 +138,7 @@ fn produce_through_grpc_and_query_counts_with_the_topics_in_kafka() {
         ),
     )
     .expect("write the config");
-    let server = ServerProcess::start(&config, &broker.bootstrap);
+    let mut server = ServerProcess::start(&config, &broker.bootstrap);
     assert!(
         server
             .stdout
@@ -203,5 +227,15 @@ fn produce_through_grpc_and_query_counts_with_the_topics_in_kafka() {
     assert_eq!(log.partitions(&format!("{application}-counts-dlq")).unwrap(), 4);
     let total: u64 = (0..4).map(|p| log.end_offset(&topic, p).unwrap()).sum();
     assert_eq!(total, 1000);
-    drop(server);
+
+    // SIGTERM drains and commits: the memory store's watermarks reach the
+    // group's committed offsets in Kafka (the group is the application id).
+    assert!(server.terminate(), "the server did not exit 0 after SIGTERM");
+    for partition in 0..4 {
+        assert_eq!(
+            log.committed(&application, &topic, partition).unwrap(),
+            Some(log.end_offset(&topic, partition).unwrap()),
+            "the committed offset of partition {partition}"
+        );
+    }
 }

@@ -34,7 +34,9 @@
 //!   queue, i.e. when a caught-up reader has new data — wherever the records
 //!   were produced. The callback only sends on a channel (it runs on
 //!   librdkafka's threads, where blocking could stall the fetcher); a notifier
-//!   thread calls the listeners. This log's own appends notify too.
+//!   thread calls the listeners. This log's own appends notify too. A control
+//!   event (a barrier at each assignment or seek) can fire it as well: an
+//!   empty read follows, harmless, and it keeps the queue drained.
 //! - `enforce_retention` is a no-op that answers the start offset: Kafka's
 //!   own retention (`retention.ms`, `retention.bytes` of the topic) applies.
 //!
@@ -63,7 +65,7 @@ use rdkafka::producer::{BaseRecord, DeliveryResult, ProducerContext, ThreadedPro
 use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock, mpsc};
 use std::task::{Context, Poll, Wake, Waker};
 use std::thread::JoinHandle;
@@ -107,7 +109,7 @@ pub struct KafkaLog {
     partition_counts: RwLock<HashMap<String, u32>>,
     /// Per partition: one past the highest offset this log appended.
     appended_end: Mutex<HashMap<(String, u32), u64>>,
-    round_robin: Mutex<HashMap<String, AtomicU32>>,
+    round_robin: Mutex<HashMap<String, u32>>,
     listeners: Arc<RwLock<Vec<AppendListener>>>,
     events: Mutex<mpsc::Sender<Event>>,
     stop: Arc<AtomicBool>,
@@ -368,7 +370,9 @@ impl KafkaLog {
     fn next_round_robin(&self, topic: &str, partitions: u32) -> u32 {
         let mut counters = self.round_robin.lock().unwrap_or_else(|e| e.into_inner());
         let counter = counters.entry(topic.to_string()).or_default();
-        counter.fetch_add(1, Ordering::Relaxed) % partitions
+        let current = *counter;
+        *counter = current.wrapping_add(1);
+        current % partitions
     }
 
     /// The reader of a partition, assigned at `offset` when it is new.
@@ -707,17 +711,16 @@ impl Log for KafkaLog {
         if max == 0 {
             return Ok(());
         }
+        // Before the partition is assigned: a fetcher started past the end
+        // would stop on an out-of-range error.
+        let end = self.end_offset(topic, partition)?;
+        if offset > end {
+            return Ok(());
+        }
         let reader = self.partition_reader(topic, partition, offset)?;
         let mut guard = reader.lock().unwrap_or_else(|e| e.into_inner());
         // A plain reference, so the queue and the position borrow apart.
         let reader: &mut PartitionReader = &mut guard;
-        let end = match self.cached_high_watermark(topic, partition) {
-            Some(high) => high.max(self.appended_end(topic, partition)),
-            None => self.end_offset(topic, partition)?,
-        };
-        if offset > end {
-            return Ok(());
-        }
         // At the end the reader still stands at `offset`, so that records
         // appended there fill the queue and fire its callback.
         if reader.next != offset {
