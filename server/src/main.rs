@@ -9,6 +9,7 @@ use std::io::{IsTerminal as _, Write as _};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use taskstream_server::config::LogFormat;
 use taskstream_server::config::{SETTINGS, parse_host_port};
 use taskstream_server::log::KafkaLog;
 use taskstream_server::service;
@@ -151,13 +152,6 @@ fn main() -> ExitCode {
     // Bad flags: clap prints the error and exits with 2.
     let flags = command().get_matches();
     let cli = Cli::from_arg_matches(&flags).unwrap_or_else(|e| e.exit());
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        // Colour codes only for a person at a terminal, not in captured logs.
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
-        .init();
-
     let settings = match load_settings(&cli, &flags) {
         Ok(settings) => settings,
         Err(error) => {
@@ -165,6 +159,7 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_INVALID_CONFIG);
         }
     };
+    init_logging(settings.config.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -185,6 +180,20 @@ fn main() -> ExitCode {
                 _ => ExitCode::FAILURE,
             }
         }
+    }
+}
+
+/// The log on stderr, in `format`; RUST_LOG chooses what is logged (default `info`; e.g.
+/// `RUST_LOG=info,taskstream_server::service=debug` adds a span per RPC).
+fn init_logging(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(filter);
+    match format {
+        // Colour codes only for a person at a terminal, not in captured logs.
+        LogFormat::Pretty => builder.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => builder.json().with_current_span(true).with_span_list(true).init(),
     }
 }
 

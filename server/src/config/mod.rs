@@ -90,6 +90,22 @@ impl RetryPolicy {
     }
 }
 
+/// How the binary writes its log lines (to stderr).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    /// For people: one readable line per event, with its spans.
+    #[default]
+    Pretty,
+    /// For machines: one JSON object per line, with the fields of the event and of its spans.
+    Json,
+}
+
+impl LogFormat {
+    pub fn as_str(self) -> &'static str {
+        choice_name(self)
+    }
+}
+
 /// A setting whose value is one of a few names. The names are listed once,
 /// here, and serve TOML, environment variables and flags alike, so an error
 /// can always say which values are accepted.
@@ -122,6 +138,11 @@ impl Choice for StoreKind {
         ("memory", StoreKind::Memory),
         ("persistent", StoreKind::Persistent),
     ];
+}
+
+impl Choice for LogFormat {
+    const CHOICES: &'static [(&'static str, Self)] =
+        &[("pretty", LogFormat::Pretty), ("json", LogFormat::Json)];
 }
 
 impl Choice for RetryPolicy {
@@ -165,7 +186,8 @@ deserialize_choice!(
     CommitMode,
     SlowSubscriberPolicy,
     StoreKind,
-    RetryPolicy
+    RetryPolicy,
+    LogFormat
 );
 
 /// Latency of the `simulate` processor: a fixed number of milliseconds, or a
@@ -452,6 +474,8 @@ pub struct Config {
     pub retry_backoff_max_ms: u64,
     /// A processor call running longer than this fails its record (0 = no limit).
     pub processing_timeout_ms: u64,
+    /// How the binary writes its log: `pretty` (default) or `json`. The library ignores it.
+    pub log_format: LogFormat,
     pub topics: Vec<TopicConfig>,
     pub pipelines: Vec<PipelineConfig>,
     /// Apache Kafka's `host:port[,host:port…]`: with it the topics live in
@@ -548,6 +572,7 @@ impl Default for Config {
             retry_backoff_ms: 100,
             retry_backoff_max_ms: 10_000,
             processing_timeout_ms: 30_000,
+            log_format: LogFormat::Pretty,
             topics: Vec::new(),
             pipelines: Vec::new(),
             bootstrap_servers: None,
@@ -740,6 +765,14 @@ pub const SETTINGS: &[Setting] = &[
         "MS",
         parse_number,
         "A processor call longer than this fails its record (0 = no limit)."
+    ),
+    setting!(
+        log_format,
+        Some("log-format"),
+        "FORMAT",
+        parse_choice,
+        "pretty | json: the log on stderr as readable lines, or one JSON object per line with the \
+         fields of the event and its spans; RUST_LOG chooses what is logged."
     ),
     setting!(
         bootstrap_servers,
@@ -1493,6 +1526,7 @@ mod tests {
             ("processing_timeout_ms", "0", "0"),
             ("data_dir", "/tmp/x", "\"/tmp/x\""),
             ("reset_stores", "true", "true"),
+            ("log_format", "json", "\"json\""),
             ("application_id", "app", "\"app\""),
         ];
         for (name, env_text, toml_text) in cases {

@@ -1,9 +1,10 @@
 //! Prometheus metrics through the `metrics` facade: record counts by outcome,
-//! retry backlog, dead-lettered records, lag and threads by state. The runtime
+//! retry backlog, dead-lettered records, lag and threads by state, storage
+//! errors, and gRPC calls by method and code (`service::RpcTelemetryLayer`). The runtime
 //! only records (a no-op without a recorder); the binary installs the
 //! Prometheus recorder and serves `GET /metrics` (`serve`).
 
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpListener;
@@ -15,6 +16,13 @@ pub const LAG: &str = "taskstream_lag_records";
 pub const THREADS: &str = "taskstream_stream_threads";
 pub const COMMITS: &str = "taskstream_commits_total";
 pub const STORAGE_ERRORS: &str = "taskstream_storage_errors_total";
+pub const RPC_REQUESTS: &str = "taskstream_rpc_requests_total";
+pub const RPC_DURATION: &str = "taskstream_rpc_duration_seconds";
+
+/// Buckets of `RPC_DURATION`, in seconds: from a fast unary call to a long stream.
+const RPC_DURATION_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0,
+];
 
 fn describe() {
     metrics::describe_counter!(
@@ -36,6 +44,15 @@ fn describe() {
     );
     metrics::describe_counter!(COMMITS, "Task commits by result (ok, error)");
     metrics::describe_counter!(
+        RPC_REQUESTS,
+        "gRPC calls by method (package.Service/Method; `unknown` for UNIMPLEMENTED) and status code"
+    );
+    metrics::describe_histogram!(
+        RPC_DURATION,
+        metrics::Unit::Seconds,
+        "gRPC call duration, to the end of the response stream, by method and status code"
+    );
+    metrics::describe_counter!(
         STORAGE_ERRORS,
         "Failed storage operations by component (log, store); each heals or keeps failing"
     );
@@ -47,6 +64,8 @@ pub fn install() -> Result<PrometheusHandle, String> {
     HANDLE
         .get_or_init(|| {
             let handle = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Full(RPC_DURATION.to_string()), RPC_DURATION_BUCKETS)
+                .map_err(|e| format!("cannot set the RPC latency buckets: {e}"))?
                 .install_recorder()
                 .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
             describe();

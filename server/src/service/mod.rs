@@ -10,6 +10,7 @@ mod outcomes;
 mod request;
 mod status;
 mod streams;
+mod telemetry;
 
 pub use admin::AdminHandler;
 pub use outcomes::STREAM_CHANNEL_CAPACITY;
@@ -18,6 +19,7 @@ pub use status::{
     REASON_SUBSCRIBER_LAGGED, ServiceError, to_status,
 };
 pub use streams::StreamsHandler;
+pub use telemetry::{RpcTelemetry, RpcTelemetryLayer, code_name};
 
 use crate::health::{StorageComponent, StorageHealth};
 use crate::runtime::{RuntimeError, StreamsApp};
@@ -102,6 +104,7 @@ pub async fn serve(
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let mut server = pin!(
         Server::builder()
+            .layer(RpcTelemetryLayer)
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
