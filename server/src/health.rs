@@ -117,6 +117,11 @@ impl StorageHealth {
             .collect()
     }
 
+    /// Whether nothing is failing.
+    pub fn is_healthy(&self) -> bool {
+        self.faults.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+    }
+
     pub fn is_failing(&self, component: StorageComponent) -> bool {
         self.faults
             .lock()
@@ -155,6 +160,7 @@ mod tests {
         assert_eq!(faults[0].error, "still full");
         assert!(health.is_failing(StorageComponent::Log));
         assert!(!health.is_failing(StorageComponent::Store));
+        assert!(!health.is_healthy());
         health.recovered(StorageComponent::Store, "counts_0");
         assert!(
             !changes.has_changed().unwrap(),
@@ -163,5 +169,6 @@ mod tests {
         health.recovered(StorageComponent::Log, "log.redb");
         assert!(changes.has_changed().unwrap());
         assert!(health.faults().is_empty());
+        assert!(health.is_healthy());
     }
 }

@@ -824,29 +824,27 @@ impl Writer {
         Ok(())
     }
 
-    /// Makes the mirrors what the file holds, and wakes the listeners of partitions that grew.
+    /// Makes the mirrors what the file holds, and wakes the listeners of every partition: a
+    /// reader that failed while the file was closed may wait for an append that will not come.
     fn refresh(
         &self,
         topics: HashMap<String, Arc<TopicMirror>>,
         committed: HashMap<(String, String, u32), u64>,
         log_id: Option<String>,
     ) {
-        let mut grew = Vec::new();
+        let mut partitions = Vec::new();
         {
             let mut mirrors = self.shared.topics.write().unwrap_or_else(|e| e.into_inner());
             for (name, loaded) in topics {
+                partitions.extend((0..loaded.partitions.len() as u32).map(|p| (name.clone(), p)));
                 match mirrors.get(&name) {
                     Some(mirror) if mirror.partitions.len() == loaded.partitions.len() => {
-                        for (p, (old, new)) in mirror.partitions.iter().zip(&loaded.partitions).enumerate() {
-                            let end = new.end.load(Ordering::Acquire);
-                            if end > old.end.load(Ordering::Acquire) {
-                                grew.push((name.clone(), p as u32));
-                            }
+                        for (old, new) in mirror.partitions.iter().zip(&loaded.partitions) {
                             old.start
                                 .store(new.start.load(Ordering::Acquire), Ordering::Release);
                             old.bytes
                                 .store(new.bytes.load(Ordering::Acquire), Ordering::Release);
-                            old.end.store(end, Ordering::Release);
+                            old.end.store(new.end.load(Ordering::Acquire), Ordering::Release);
                         }
                     }
                     _ => {
@@ -857,7 +855,7 @@ impl Writer {
         }
         *self.shared.committed.write().unwrap_or_else(|e| e.into_inner()) = committed;
         *self.shared.log_id.write().unwrap_or_else(|e| e.into_inner()) = log_id;
-        for (topic, partition) in grew {
+        for (topic, partition) in partitions {
             self.shared.notify(&topic, partition);
         }
     }

@@ -21,7 +21,7 @@ pub use status::{
 pub use streams::StreamsHandler;
 pub use telemetry::{RpcTelemetry, RpcTelemetryLayer, code_name};
 
-use crate::health::{StorageComponent, StorageHealth};
+use crate::health::StorageHealth;
 use crate::runtime::{RuntimeError, StreamsApp};
 use std::future::Future;
 use std::pin::pin;
@@ -49,8 +49,8 @@ const HEALTH_SERVICES: [&str; 3] = [
     <AdminServiceServer<AdminHandler> as NamedService>::NAME,
 ];
 
-/// The health statuses that follow the log's storage.
-const HEALTH_SERVICES_NEEDING_THE_LOG: [&str; 2] =
+/// The health statuses that follow storage health.
+const HEALTH_SERVICES_NEEDING_STORAGE: [&str; 2] =
     ["", <StreamsServiceServer<StreamsHandler> as NamedService>::NAME];
 
 #[derive(Debug, thiserror::Error)]
@@ -79,7 +79,7 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, ServingStatus::Serving).await;
-    // While the log cannot write, the services that need it say so; until shutdown.
+    // While storage fails, the services that need it say so; until shutdown.
     let mut storage_follower = app
         .log()
         .storage_health()
@@ -163,18 +163,18 @@ pub async fn serve(
     drained.map_err(ServeError::Shutdown)
 }
 
-/// Keeps the health of the services that need the log (StreamsService, and the server as a
-/// whole) in step with the log's storage: NOT_SERVING while it cannot write, SERVING once it
-/// recovered. AdminService does not need the log and stays SERVING.
+/// Keeps the health of the services that need storage (StreamsService, and the server as a
+/// whole) in step with it: NOT_SERVING while the log or a store fails, SERVING once all
+/// recovered. AdminService does not need storage and stays SERVING.
 async fn follow_storage(health: HealthReporter, storage: Arc<StorageHealth>) {
     let mut changes = storage.subscribe();
     loop {
-        let status = if storage.is_failing(StorageComponent::Log) {
+        let status = if !storage.is_healthy() {
             ServingStatus::NotServing
         } else {
             ServingStatus::Serving
         };
-        for service in HEALTH_SERVICES_NEEDING_THE_LOG {
+        for service in HEALTH_SERVICES_NEEDING_STORAGE {
             health.set_service_status(service, status).await;
         }
         if changes.changed().await.is_err() {
