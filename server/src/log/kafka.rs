@@ -1447,4 +1447,93 @@ mod tests {
         log.read(&topic, 0, 5_000, 1, &mut out).unwrap();
         assert_eq!(out[0].offset, 5_000);
     }
+
+    /// One step of the model test.
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Records as (key index or none, explicit partition or none).
+        Append(Vec<(Option<u8>, Option<u32>)>),
+        Read {
+            partition: u32,
+            at: u8,
+            max: usize,
+        },
+        End(u32),
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        let record = (
+            proptest::option::of(0u8..20),
+            proptest::option::weighted(0.2, 0u32..3),
+        );
+        prop_oneof![
+            proptest::collection::vec(record, 1..40).prop_map(Op::Append),
+            (0u32..3, any::<u8>(), 1usize..60).prop_map(|(partition, at, max)| Op::Read {
+                partition,
+                at,
+                max
+            }),
+            (0u32..3).prop_map(Op::End),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 12, ..Default::default() })]
+
+        /// In the way of redb's fuzz target: random appends (keyed, unkeyed,
+        /// to a partition), reads at random offsets (so forward and backward
+        /// seeks, reads at and past the end) and end offsets give on Kafka
+        /// exactly what the embedded `MemoryLog` gives.
+        #[test]
+        fn kafka_log_answers_as_the_memory_log_does(ops in proptest::collection::vec(op(), 1..40)) {
+            let Some(broker) = broker() else { return Ok(()) };
+            static LOG: std::sync::OnceLock<Arc<KafkaLog>> = std::sync::OnceLock::new();
+            let kafka = LOG.get_or_init(|| connect(&broker.bootstrap));
+            let model = crate::log::MemoryLog::new();
+            let topic = unique("model");
+            kafka.ensure_topic(&topic, 3).unwrap();
+            model.ensure_topic(&topic, 3).unwrap();
+            let mut written = 0i64;
+            for op in ops {
+                match op {
+                    Op::Append(records) => {
+                        let records: Vec<ProducerRecord> = records
+                            .into_iter()
+                            .map(|(key, partition)| {
+                                written += 1;
+                                ProducerRecord {
+                                    key: key.map(|k| Bytes::from(format!("key-{k}"))),
+                                    value: Bytes::from(format!("value-{written}")),
+                                    partition,
+                                    timestamp_ms: Some(1_700_000_000_000 + written),
+                                    headers: vec![("n".into(), Bytes::from(written.to_string()))],
+                                }
+                            })
+                            .collect();
+                        let expected = model.append(&topic, records.clone()).unwrap();
+                        proptest::prop_assert_eq!(kafka.append(&topic, records).unwrap(), expected);
+                    }
+                    Op::Read { partition, at, max } => {
+                        let end = model.end_offset(&topic, partition).unwrap();
+                        let offset = u64::from(at) % (end + 2);
+                        let (mut expected, mut found) = (Vec::new(), Vec::new());
+                        model.read(&topic, partition, offset, max, &mut expected).unwrap();
+                        kafka.read(&topic, partition, offset, max, &mut found).unwrap();
+                        // Kafka may answer fewer than `max` (what one fetch
+                        // brought); never other records, never none when some exist.
+                        proptest::prop_assert!(found.len() <= expected.len());
+                        proptest::prop_assert_eq!(found.is_empty(), expected.is_empty());
+                        proptest::prop_assert_eq!(&found[..], &expected[..found.len()]);
+                    }
+                    Op::End(partition) => {
+                        proptest::prop_assert_eq!(
+                            kafka.end_offset(&topic, partition).unwrap(),
+                            model.end_offset(&topic, partition).unwrap()
+                        );
+                    }
+                }
+            }
+        }
+    }
 }
