@@ -508,16 +508,20 @@ async fn retry_outcomes_reach_the_record_callback_and_bounded_streams_wait_for_f
     assert_eq!(history.len(), 600, "every record reached a callback");
     let retried: Vec<_> = history.values().filter(|h| h.len() > 1).collect();
     assert!(!retried.is_empty(), "about 5% of the records failed once");
+    use v1::RecordOutcome::{Processed, Retrying};
+    // A failed record: retrying, then processed on its second attempt. In
+    // `offset` order a record whose key has an earlier record on the retry
+    // path is parked behind it first (retrying, attempt 0), in order.
+    let failed = vec![(Retrying, 1), (Processed, 2)];
+    let parked = vec![(Retrying, 0), (Processed, 1)];
+    let parked_then_failed = vec![(Retrying, 0), (Retrying, 1), (Processed, 2)];
     for h in &retried {
-        assert_eq!(
-            **h,
-            vec![
-                (v1::RecordOutcome::Retrying, 1),
-                (v1::RecordOutcome::Processed, 2)
-            ],
-            "a failed record: retrying, then processed on its second attempt"
+        assert!(
+            **h == failed || **h == parked || **h == parked_then_failed,
+            "outcomes of a record out of order: {h:?}"
         );
     }
+    assert!(retried.iter().any(|h| **h == failed));
     // The stream completed only once every record had its final outcome.
     assert!(
         history

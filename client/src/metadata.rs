@@ -161,6 +161,10 @@ pub struct RecordMetadata {
     pub attempts: u32,
     /// The failure, for FAILED, RETRYING and DEAD_LETTERED; empty otherwise.
     pub error: String,
+    /// The stream thread that processed the record, when it is not its
+    /// range's (`CompletedRange::thread`): in `offset` order with several
+    /// threads per task, one range gathers the records several threads processed.
+    pub thread: Option<String>,
 }
 
 impl RecordMetadata {
@@ -175,6 +179,7 @@ impl RecordMetadata {
             outcome,
             attempts: record.attempts,
             error: record.error,
+            thread: (!record.thread.is_empty()).then_some(record.thread),
         }
     }
 
@@ -315,6 +320,7 @@ mod tests {
             outcome: outcome as i32,
             attempts: 1,
             error: String::new(),
+            thread: String::new(),
         }
     }
 

@@ -10,10 +10,11 @@
 //!   `RedbLog` on disk), Kafka's partitioner.
 //! - `processor`: the `Processor` trait and the built-ins.
 //! - `store`: the `KeyValueStore` trait and backends.
-//! - `metadata`: StreamsMetadata, record outcomes, subscriptions, query and topic-read answers.
+//! - `metadata`: StreamsMetadata, record outcomes, query and topic-read answers.
 //! - `metrics`: Prometheus metrics (recorded by the runtime, served by the binary).
 //! - `runtime`: threads, tasks, scheduling, sequencer/watermark, commits, the
-//!   retry path (retry and dead-letter topics), store restore; `StreamsApp`.
+//!   retry path (retry and dead-letter topics), store restore, outcome
+//!   subscriptions; `StreamsApp`.
 //! - `service`: gRPC handlers, a thin translation, and the one place errors become `Status`.
 //! - `scratch`: temporary directories for tests and the benchmark harness.
 //!
@@ -40,11 +41,13 @@ pub use config::{
 };
 pub use log::{Log, LogError, MemoryLog, ProducerRecord, Record, RecordPosition, RedbLog, Retention};
 pub use metadata::{
-    AppState, EndAt, HostInfo, KeyMetadata, Outcome, OutcomeBatch, OutcomeSubscription, PartitionQueryResult,
-    RecordOutcome, RuntimeDescription, StartAt, StoreMetadata, StreamsMetadata, SubscribeRequest,
-    SubscriptionEvent, TaskMetadata, ThreadMetadata, ThreadState, TopicRead,
+    AppState, HostInfo, KeyMetadata, Outcome, OutcomeBatch, PartitionQueryResult, RecordOutcome,
+    RuntimeDescription, StoreMetadata, StreamsMetadata, TaskMetadata, ThreadMetadata, ThreadState, TopicRead,
 };
 pub use processor::{ProcessError, Processor, ProcessorContext};
 pub use runtime::retry::headers as failure_headers;
-pub use runtime::{AppBuilder, CommitReport, RuntimeError, StreamsApp};
-pub use store::{Checkpoint, KeyValueStore, MemoryStore, PersistentStore};
+pub use runtime::{
+    AppBuilder, CommitReport, EndAt, OutcomeSubscription, RuntimeError, StartAt, StreamsApp,
+    SubscribeRequest, SubscriptionEvent,
+};
+pub use store::{Checkpoint, KeyValueStore, MemoryStore, PersistentStore, StoreError};

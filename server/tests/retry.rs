@@ -103,7 +103,7 @@ fn gated_poison_processor(
         ctx.store.update(&key, &mut |old| {
             let n: u64 = old.map_or(0, |v| std::str::from_utf8(v).unwrap().parse().unwrap());
             Some(Bytes::from((n + 1).to_string()))
-        });
+        })?;
         Ok(())
     })
 }
@@ -322,7 +322,7 @@ fn key_order_parks_a_failing_keys_later_records_so_latest_wins() {
         if record.key.as_deref() == Some(b"k1") && ctx.attempt == 1 {
             return Err(ProcessError::new("Flaky", "first attempt"));
         }
-        ctx.store.put(record.key.clone().unwrap(), record.value.clone());
+        ctx.store.put(record.key.clone().unwrap(), record.value.clone())?;
         Ok(())
     });
     let app = StreamsApp::builder(config(4, 4, ProcessingOrder::Key, 1, "flaky"))
@@ -341,7 +341,8 @@ fn key_order_parks_a_failing_keys_later_records_so_latest_wins() {
         );
     }
     let outcomes = outcomes(&app, ends(&app, 1));
-    // The k1 records after the first were parked (attempt 0), then processed.
+    // The k1 records after the first were held in memory behind it, not
+    // parked on the retry topic: only the failures went there.
     let k1: Vec<_> = outcomes
         .iter()
         .filter(|r| r.key.as_deref() == Some(b"k1"))
@@ -356,8 +357,14 @@ fn key_order_parks_a_failing_keys_later_records_so_latest_wins() {
     assert_eq!(finals, sorted, "k1 completes in offset order across retries");
     assert_eq!(finals.len(), 50);
     assert!(
-        k1.iter()
-            .any(|r| r.outcome == Outcome::Retrying && r.attempts == 0)
+        !k1.iter()
+            .any(|r| r.outcome == Outcome::Retrying && r.attempts == 0),
+        "nothing parked on the retry topic"
+    );
+    assert_eq!(
+        app.log().end_offset("app-p-retry", 0).unwrap(),
+        50,
+        "one retry entry per failed attempt, no detour"
     );
     // Other keys flowed: all their records were final before k1's last.
     let last_k1 = outcomes
@@ -382,7 +389,7 @@ fn a_record_running_past_the_processing_timeout_takes_the_retry_path() {
             std::thread::sleep(Duration::from_millis(150));
         }
         ctx.store
-            .put(record.key.clone().unwrap(), Bytes::from(ctx.attempt.to_string()));
+            .put(record.key.clone().unwrap(), Bytes::from(ctx.attempt.to_string()))?;
         Ok(())
     });
     let mut cfg = config(2, 1, ProcessingOrder::Offset, 1, "slow");
@@ -517,7 +524,21 @@ fn blocking_policy_makes_the_partition_wait_for_the_failing_record() {
     assert!(app.wait_until_caught_up(WAIT));
     let seen = order_seen.lock().unwrap().clone();
     assert_eq!(seen.len(), 50);
-    assert_eq!(*seen.last().unwrap(), 10, "non-blocking: offset 10 finished last");
+    // Offset 10's key (every fifth offset) waits behind it; the other keys
+    // flowed past it. `keyed` gives offset o the key k{o % 5}.
+    let at = |offset: u64| seen.iter().position(|&o| o == offset).unwrap();
+    for offset in (0..50).filter(|o| o % 5 != 0 && *o > 10) {
+        assert!(
+            at(offset) < at(10),
+            "non-blocking: offset {offset} finished before 10"
+        );
+    }
+    for offset in (15..50).step_by(5) {
+        assert!(
+            at(10) < at(offset),
+            "offset {offset} of 10's key waited behind it"
+        );
+    }
 }
 
 #[test]
@@ -536,7 +557,7 @@ fn a_retry_finished_out_of_order_is_not_applied_again_after_a_restart() {
             ctx.store.update(&key, &mut |old| {
                 let n: u64 = old.map_or(0, |v| std::str::from_utf8(v).unwrap().parse().unwrap());
                 Some(Bytes::from((n + 1).to_string()))
-            });
+            })?;
             Ok(())
         })
     };

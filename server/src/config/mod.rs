@@ -450,6 +450,9 @@ pub struct Config {
     pub commit_mode: CommitMode,
     /// Largest work range one thread takes at once.
     pub max_batch_records: usize,
+    /// A thread completes its unit after this long even if records remain,
+    /// so outcomes flow at least this often with slow records.
+    pub max_batch_ms: u64,
     /// Per task: records fetched and not yet released (bounds the sequencer).
     pub max_in_flight_records: usize,
     /// Per task: record outcomes kept for streams that start in the past.
@@ -561,6 +564,7 @@ impl Default for Config {
             commit_interval_ms: 1000,
             commit_mode: CommitMode::Sync,
             max_batch_records: 500,
+            max_batch_ms: 250,
             max_in_flight_records: 10_000,
             outcome_retention_records: 100_000,
             subscriber_buffer_batches: 1024,
@@ -692,6 +696,13 @@ pub const SETTINGS: &[Setting] = &[
         "N",
         parse_number,
         "Largest work range one thread takes at once."
+    ),
+    setting!(
+        max_batch_ms,
+        Some("max-batch-ms"),
+        "MS",
+        parse_number,
+        "A thread completes its unit after this long even if records remain, so outcomes flow at least this often."
     ),
     setting!(
         max_in_flight_records,
@@ -1025,6 +1036,7 @@ impl Config {
         let positive = [
             ("commit_interval_ms", self.commit_interval_ms as usize),
             ("max_batch_records", self.max_batch_records),
+            ("max_batch_ms", self.max_batch_ms as usize),
             ("max_in_flight_records", self.max_in_flight_records),
             ("outcome_retention_records", self.outcome_retention_records),
             ("subscriber_buffer_batches", self.subscriber_buffer_batches),

@@ -1,12 +1,7 @@
 //! The metadata model: StreamsMetadata and per-task metadata as Kafka Streams
-//! shows them, record outcomes published in batches (one per completed range),
-//! the subscriptions that stream them (`subscription`), and the answers of
-//! queries and topic reads.
-
-mod subscription;
-
-pub(crate) use subscription::PartitionRange;
-pub use subscription::{EndAt, OutcomeSubscription, StartAt, SubscribeRequest, SubscriptionEvent};
+//! shows them, record outcomes published in batches (one per completed range,
+//! or per run released in offset order), and the answers of queries and
+//! topic reads. The subscriptions that stream outcomes belong to the runtime.
 
 use crate::config::ProcessingOrder;
 use crate::log::Record;
@@ -198,6 +193,9 @@ impl Outcome {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecordOutcome {
+    /// The stream thread that processed the record, when it is not the
+    /// batch's (a batch released in offset order gathers several threads' records).
+    pub thread: Option<Arc<str>>,
     pub offset: u64,
     pub key: Option<Bytes>,
     pub timestamp_ms: i64,
@@ -206,7 +204,8 @@ pub struct RecordOutcome {
     pub error: Option<Arc<str>>,
 }
 
-/// The records of one completed range, as published to subscribers.
+/// The records of one completed unit, or of one run released in offset
+/// order, as published to subscribers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutcomeBatch {
     pub task_id: Arc<str>,

@@ -4,7 +4,7 @@
 
 use crate::config::{LatencySpec, ProcessorSpec};
 use crate::log::Record;
-use crate::store::KeyValueStore;
+use crate::store::{KeyValueStore, StoreError};
 use bytes::Bytes;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -15,10 +15,12 @@ pub struct ProcessorContext<'a> {
     pub partition: u32,
     /// 1 on the first attempt.
     pub attempt: u32,
-    /// The task's state store.
+    /// The task's state store, as this attempt sees it: reads see the
+    /// attempt's own writes, and the writes reach the store only if the
+    /// attempt succeeds (an error, a panic or a timeout discards them).
     pub store: &'a dyn KeyValueStore,
     /// When `processing_timeout_ms` runs out for this call. A processor past
-    /// it has failed whatever it returns, so it should stop and write nothing.
+    /// it has failed whatever it returns, so it may as well stop.
     pub deadline: Option<Instant>,
 }
 
@@ -35,6 +37,13 @@ impl ProcessorContext<'_> {
 pub struct ProcessError {
     pub kind: String,
     pub message: String,
+}
+
+/// A store call that failed fails the record, with kind `StoreError`.
+impl From<StoreError> for ProcessError {
+    fn from(error: StoreError) -> Self {
+        ProcessError::new("StoreError", error.to_string())
+    }
 }
 
 impl ProcessError {
@@ -109,7 +118,7 @@ fn add_to_key(store: &dyn KeyValueStore, key: &[u8], delta: i64) -> Result<(), P
             }
         };
         Some(Bytes::from(current.wrapping_add(delta).to_string()))
-    });
+    })?;
     result
 }
 
@@ -142,7 +151,7 @@ pub struct Latest;
 impl Processor for Latest {
     fn process(&self, record: &Record, ctx: &ProcessorContext<'_>) -> Result<(), ProcessError> {
         if let Some(key) = &record.key {
-            ctx.store.put(key.clone(), record.value.clone());
+            ctx.store.put(key.clone(), record.value.clone())?;
         }
         Ok(())
     }
@@ -212,7 +221,7 @@ impl Processor for Simulate {
         };
         if latency_ms > 0.0 {
             let latency = Duration::from_secs_f64(latency_ms / 1000.0);
-            // A call that would outlive its deadline stops there, before writing.
+            // A call that would outlive its deadline stops there.
             if let Some(deadline) = ctx.deadline
                 && Instant::now() + latency > deadline
             {
@@ -279,19 +288,19 @@ mod tests {
         let store = MemoryStore::new();
         Count.process(&record("a", "x", 0), &ctx(&store)).unwrap();
         Count.process(&record("a", "y", 1), &ctx(&store)).unwrap();
-        assert_eq!(store.get(b"a").unwrap(), "2");
+        assert_eq!(store.get(b"a").unwrap().unwrap(), "2");
 
         let store = MemoryStore::new();
         Sum.process(&record("a", "40", 0), &ctx(&store)).unwrap();
         Sum.process(&record("a", "-2", 1), &ctx(&store)).unwrap();
         let err = Sum.process(&record("a", "forty", 2), &ctx(&store)).unwrap_err();
         assert_eq!(err.kind, "InvalidValue");
-        assert_eq!(store.get(b"a").unwrap(), "38");
+        assert_eq!(store.get(b"a").unwrap().unwrap(), "38");
 
         let store = MemoryStore::new();
         Latest.process(&record("a", "1", 0), &ctx(&store)).unwrap();
         Latest.process(&record("a", "2", 1), &ctx(&store)).unwrap();
-        assert_eq!(store.get(b"a").unwrap(), "2");
+        assert_eq!(store.get(b"a").unwrap().unwrap(), "2");
     }
 
     #[test]

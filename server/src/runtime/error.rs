@@ -34,6 +34,16 @@ pub enum RuntimeError {
     #[error("unknown topic `{0}`")]
     UnknownTopic(String),
 
+    /// The partition's task is not on this instance (never assigned here,
+    /// or moved away); another instance of the application holds it.
+    #[error("partition {partition} of store `{store}` is not hosted by this instance")]
+    NotHosted { store: String, partition: u32 },
+
+    /// The last commit of these tasks failed (task id: error): what they
+    /// processed since their previous commit runs again after a restart.
+    #[error("commits failed: {}", .0.join("; "))]
+    CommitFailed(Vec<String>),
+
     /// Temporarily unable to answer (starting, restoring, shutting down); retry after the delay.
     #[error("unavailable: {reason}")]
     Unavailable { reason: String, retry_after: Duration },

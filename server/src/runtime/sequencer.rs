@@ -1,28 +1,39 @@
-//! The sequencer of one task: which fetched offsets are completed, the
-//! watermark (the completed prefix), and, in `offset` order, the completed
-//! ranges held back until every earlier range is done. Bounded by the caller:
-//! `in_flight()` is what the task may not let grow past `max_in_flight_records`.
+//! The sequencer of one task (or of one retry-topic partition): which fetched
+//! offsets are completed, the watermark (the completed prefix, what a commit
+//! records) and, where outcomes must be released in offset order while several
+//! threads complete records out of order, the outcomes held until every
+//! earlier record is done.
+//!
+//! Invariants: `watermark + span()` is the fetch position; every offset below
+//! the watermark completed exactly once; a held value is released exactly
+//! once, in offset order, when the watermark passes it. Cost: O(1) amortized
+//! per fetched and per completed offset; one slot of memory per offset of the
+//! span (fetched, not yet below the watermark), which the task bounds.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 
-pub(crate) struct Sequencer<B> {
-    /// Every offset below is completed.
-    watermark: u64,
-    /// Completion flags of offsets `[watermark, watermark + done.len())`.
-    done: VecDeque<bool>,
-    /// `offset` order: completed ranges by first offset, not yet released.
-    held: BTreeMap<u64, (u64, B)>,
-    /// `offset` order: the first offset not yet released.
-    next_release: u64,
+enum Slot<T> {
+    Pending,
+    Done,
+    /// Completed; the value is released when the watermark passes it.
+    Held(T),
 }
 
-impl<B> Sequencer<B> {
+pub(crate) struct Sequencer<T> {
+    /// Every offset below is completed.
+    watermark: u64,
+    /// Offsets `[watermark, watermark + slots.len())`; the front is always `Pending`.
+    slots: VecDeque<Slot<T>>,
+    /// Slots still `Pending`.
+    pending: usize,
+}
+
+impl<T> Sequencer<T> {
     pub(crate) fn new(start: u64) -> Self {
         Sequencer {
             watermark: start,
-            done: VecDeque::new(),
-            held: BTreeMap::new(),
-            next_release: start,
+            slots: VecDeque::new(),
+            pending: 0,
         }
     }
 
@@ -32,92 +43,93 @@ impl<B> Sequencer<B> {
 
     /// The next offset to fetch.
     pub(crate) fn fetched_end(&self) -> u64 {
-        self.watermark + self.done.len() as u64
+        self.watermark + self.slots.len() as u64
     }
 
-    /// Fetched and not yet part of the completed prefix.
-    pub(crate) fn in_flight(&self) -> usize {
-        self.done.len()
+    /// Offsets fetched and not yet below the watermark (completed ones included).
+    pub(crate) fn span(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Offsets fetched and not completed.
+    pub(crate) fn pending(&self) -> usize {
+        self.pending
+    }
+
+    /// Whether `offset` has completed (below the watermark or completed above it).
+    pub(crate) fn is_completed(&self, offset: u64) -> bool {
+        match offset.checked_sub(self.watermark) {
+            None => true,
+            Some(i) => self
+                .slots
+                .get(i as usize)
+                .is_some_and(|slot| !matches!(slot, Slot::Pending)),
+        }
     }
 
     /// Completed offsets above the watermark (completion out of order).
     pub(crate) fn completed_above(&self) -> Vec<u64> {
-        self.done
+        self.slots
             .iter()
             .enumerate()
-            .filter(|(_, done)| **done)
+            .filter(|(_, slot)| !matches!(slot, Slot::Pending))
             .map(|(i, _)| self.watermark + i as u64)
             .collect()
     }
 
     /// Records `count` more offsets as fetched (from `fetched_end()` on).
     pub(crate) fn fetched(&mut self, count: usize) {
-        self.done.extend(std::iter::repeat_n(false, count));
+        self.slots.extend((0..count).map(|_| Slot::Pending));
+        self.pending += count;
     }
 
-    fn mark(&mut self, offset: u64) {
+    /// Completes `offset`, holding `held` (if any) until the watermark passes
+    /// it; then moves the watermark over the completed prefix, appending the
+    /// values released on the way to `released`, in offset order.
+    pub(crate) fn complete(&mut self, offset: u64, held: Option<T>, released: &mut Vec<T>) {
         let index = offset
             .checked_sub(self.watermark)
             .map(|i| i as usize)
-            .filter(|&i| i < self.done.len());
-        match index {
-            Some(i) => {
-                debug_assert!(!self.done[i], "offset {offset} completed twice");
-                self.done[i] = true;
-            }
-            None => debug_assert!(false, "offset {offset} was never fetched"),
+            .filter(|&i| i < self.slots.len());
+        let Some(i) = index else {
+            debug_assert!(false, "offset {offset} was never fetched or completed twice");
+            return;
+        };
+        debug_assert!(
+            matches!(self.slots[i], Slot::Pending),
+            "offset {offset} completed twice"
+        );
+        if matches!(self.slots[i], Slot::Pending) {
+            self.pending -= 1;
+        }
+        self.slots[i] = match held {
+            Some(value) => Slot::Held(value),
+            None => Slot::Done,
+        };
+        if i == 0 {
+            self.advance(released);
         }
     }
 
-    fn advance(&mut self) {
-        while self.done.front() == Some(&true) {
-            self.done.pop_front();
+    fn advance(&mut self, released: &mut Vec<T>) {
+        loop {
+            match self.slots.front() {
+                None | Some(Slot::Pending) => return,
+                Some(_) => {}
+            }
+            if let Some(Slot::Held(value)) = self.slots.pop_front() {
+                released.push(value);
+            }
             self.watermark += 1;
         }
     }
 
-    /// Completes the contiguous range `first..=last` and appends what may be
-    /// released now to `released`: in order (`ordered`), every held range
-    /// that has become the next one; otherwise this range at once.
-    pub(crate) fn complete_range(
-        &mut self,
-        first: u64,
-        last: u64,
-        batch: B,
-        ordered: bool,
-        released: &mut Vec<B>,
-    ) {
-        for offset in first..=last {
-            self.mark(offset);
-        }
-        self.advance();
-        if !ordered {
-            released.push(batch);
-            return;
-        }
-        self.held.insert(first, (last, batch));
-        while let Some(entry) = self.held.first_entry() {
-            if *entry.key() != self.next_release {
-                break;
-            }
-            let (last, batch) = entry.remove();
-            self.next_release = last + 1;
-            released.push(batch);
-        }
-    }
-
-    /// Completes scattered offsets (`key` order) and releases the batch at once.
-    pub(crate) fn complete_offsets(
-        &mut self,
-        offsets: impl IntoIterator<Item = u64>,
-        batch: B,
-        released: &mut Vec<B>,
-    ) {
-        for offset in offsets {
-            self.mark(offset);
-        }
-        self.advance();
-        released.push(batch);
+    /// Forgets every fetched offset that has not completed and every held
+    /// value: the task is being removed, and they will be processed again by
+    /// whoever resumes at the watermark.
+    pub(crate) fn truncate_to_watermark(&mut self) {
+        self.slots.clear();
+        self.pending = 0;
     }
 }
 
@@ -125,21 +137,6 @@ impl<B> Sequencer<B> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-
-    /// Cuts `0..total` into ranges of the given sizes.
-    fn ranges(total: u64, sizes: &[u64]) -> Vec<(u64, u64)> {
-        let mut out = Vec::new();
-        let mut first = 0;
-        let mut i = 0;
-        while first < total {
-            let size = sizes[i % sizes.len()].max(1);
-            let last = (first + size - 1).min(total - 1);
-            out.push((first, last));
-            first = last + 1;
-            i += 1;
-        }
-        out
-    }
 
     /// Applies a permutation given by sort keys.
     fn permuted<T: Clone>(items: &[T], keys: &[u32]) -> Vec<T> {
@@ -149,95 +146,84 @@ mod tests {
     }
 
     proptest! {
-        /// In `offset` order, any completion order releases ranges in strictly
-        /// increasing offsets with no gap and no duplicate, and the watermark is
-        /// exactly the completed prefix after every step.
+        /// Any completion order, interleaved with uneven fetches: held values
+        /// are released in strictly increasing offsets with no gap and no
+        /// duplicate, exactly the completed prefix, and the watermark is that
+        /// prefix after every step.
         #[test]
-        fn offset_order_releases_in_order_and_watermark_is_the_completed_prefix(
+        fn held_values_are_released_in_offset_order_and_the_watermark_is_the_completed_prefix(
             total in 1u64..400,
-            sizes in proptest::collection::vec(1u64..40, 1..10),
             keys in proptest::collection::vec(any::<u32>(), 1..64),
             fetch_steps in proptest::collection::vec(1usize..100, 1..8),
         ) {
-            let ranges = ranges(total, &sizes);
-            let order = permuted(&ranges, &keys);
+            let offsets: Vec<u64> = (0..total).collect();
+            let order = permuted(&offsets, &keys);
             let mut seq = Sequencer::new(0);
             let mut completed = vec![false; total as usize];
             let mut delivered: Vec<u64> = Vec::new();
-            // Fetch in uneven steps, interleaved with completions.
             let mut fetch_steps = fetch_steps.into_iter().cycle();
             let mut next = order.into_iter().peekable();
-            while let Some(&(first, last)) = next.peek() {
-                if seq.fetched_end() <= last {
+            while let Some(&offset) = next.peek() {
+                if seq.fetched_end() <= offset {
                     let step = fetch_steps.next().unwrap().min((total - seq.fetched_end()) as usize);
                     seq.fetched(step);
                     continue;
                 }
                 next.next();
-                let mut released = Vec::new();
-                seq.complete_range(first, last, (first, last), true, &mut released);
-                for (f, l) in released {
-                    delivered.extend(f..=l);
-                }
-                for o in first..=last {
-                    completed[o as usize] = true;
-                }
+                prop_assert!(!seq.is_completed(offset));
+                seq.complete(offset, Some(offset), &mut delivered);
+                prop_assert!(seq.is_completed(offset));
+                completed[offset as usize] = true;
                 let prefix = completed.iter().take_while(|&&c| c).count() as u64;
                 prop_assert_eq!(seq.watermark(), prefix);
-                prop_assert_eq!(delivered.len() as u64, prefix, "delivered exactly the prefix");
+                prop_assert_eq!(&delivered, &(0..prefix).collect::<Vec<_>>());
+                let done = completed.iter().filter(|&&c| c).count();
+                prop_assert_eq!(seq.pending(), (seq.fetched_end() as usize) - done);
             }
-            prop_assert_eq!(delivered, (0..total).collect::<Vec<_>>());
-            prop_assert_eq!(seq.in_flight(), 0);
+            prop_assert_eq!(seq.span(), 0);
         }
 
-        /// Without order, every range is released exactly once on completion and
-        /// the watermark is still exactly the completed prefix.
-        #[test]
-        fn unordered_releases_every_record_exactly_once(
-            total in 1u64..300,
-            sizes in proptest::collection::vec(1u64..30, 1..10),
-            keys in proptest::collection::vec(any::<u32>(), 1..64),
-        ) {
-            let ranges = ranges(total, &sizes);
-            let mut seq = Sequencer::new(1000);
-            seq.fetched(total as usize);
-            let mut seen = vec![0u32; total as usize];
-            let mut completed = vec![false; total as usize];
-            for (first, last) in permuted(&ranges, &keys) {
-                let mut released = Vec::new();
-                seq.complete_range(first + 1000, last + 1000, (first, last), false, &mut released);
-                prop_assert_eq!(released.len(), 1);
-                for (f, l) in released {
-                    for o in f..=l { seen[o as usize] += 1; completed[o as usize] = true; }
-                }
-                let prefix = completed.iter().take_while(|&&c| c).count() as u64;
-                prop_assert_eq!(seq.watermark(), 1000 + prefix);
-            }
-            prop_assert!(seen.iter().all(|&n| n == 1));
-        }
-
-        /// Scattered completions (`key` order units) keep the watermark at the prefix.
+        /// Completion without holding: the watermark is the completed prefix
+        /// and `completed_above` lists exactly the completed offsets past it.
         #[test]
         fn scattered_completions_keep_the_watermark_at_the_prefix(
             total in 1usize..300,
-            lanes in 1usize..8,
+            start in 0u64..1_000,
             keys in proptest::collection::vec(any::<u32>(), 1..64),
         ) {
-            let mut seq = Sequencer::new(0);
+            let mut seq: Sequencer<()> = Sequencer::new(start);
             seq.fetched(total);
-            let units: Vec<Vec<u64>> = (0..lanes)
-                .map(|lane| (0..total as u64).filter(|o| (*o as usize) % lanes == lane).collect())
-                .filter(|u: &Vec<u64>| !u.is_empty())
-                .collect();
+            let offsets: Vec<u64> = (0..total as u64).collect();
             let mut completed = vec![false; total];
-            for unit in permuted(&units, &keys) {
+            for offset in permuted(&offsets, &keys) {
                 let mut released = Vec::new();
-                seq.complete_offsets(unit.iter().copied(), (), &mut released);
-                for o in &unit { completed[*o as usize] = true; }
-                let prefix = completed.iter().take_while(|&&c| c).count() as u64;
-                prop_assert_eq!(seq.watermark(), prefix);
+                seq.complete(start + offset, None, &mut released);
+                prop_assert!(released.is_empty());
+                completed[offset as usize] = true;
+                let prefix = completed.iter().take_while(|&&c| c).count();
+                prop_assert_eq!(seq.watermark(), start + prefix as u64);
+                let above: Vec<u64> = (prefix..total)
+                    .filter(|&i| completed[i])
+                    .map(|i| start + i as u64)
+                    .collect();
+                prop_assert_eq!(seq.completed_above(), above);
             }
-            prop_assert_eq!(seq.watermark(), total as u64);
+            prop_assert_eq!(seq.watermark(), start + total as u64);
         }
+    }
+
+    #[test]
+    fn truncating_forgets_what_is_above_the_watermark() {
+        let mut seq = Sequencer::new(10);
+        seq.fetched(5);
+        let mut released = Vec::new();
+        seq.complete(10, Some("a"), &mut released);
+        seq.complete(12, Some("c"), &mut released);
+        assert_eq!(released, vec!["a"]);
+        seq.truncate_to_watermark();
+        assert_eq!((seq.watermark(), seq.fetched_end(), seq.pending()), (11, 11, 0));
+        seq.fetched(2);
+        seq.complete(11, Some("b"), &mut released);
+        assert_eq!(released, vec!["a", "b"]);
     }
 }

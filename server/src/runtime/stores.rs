@@ -3,7 +3,7 @@
 //! persistent (redb; the watermark is committed in the same transaction as the
 //! data, so it is where a restart resumes, with nothing to replay).
 
-use crate::store::{Checkpoint, KeyValueStore, MemoryStore, PersistentStore, StoreError};
+use crate::store::{Checkpoint, KeyValueStore, MemoryStore, PersistentStore, StoreError, Write, WriteTag};
 use bytes::Bytes;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -37,6 +37,32 @@ impl TaskStore {
         })?;
         let path: PathBuf = dir.join(format!("{task_id}.redb"));
         Ok(TaskStore::Persistent(Arc::new(PersistentStore::open(&path)?)))
+    }
+
+    /// Applies the writes of a successful attempt, draining `writes`. A memory
+    /// store needs no tag: it is never frozen, only rebuilt from the log.
+    pub(crate) fn apply(&self, tag: WriteTag, writes: &mut Vec<Write>, settled_below: u64) {
+        match self {
+            TaskStore::Memory(store) => store.apply(writes.drain(..)),
+            TaskStore::Persistent(store) => store.apply(tag, writes.drain(..), settled_below),
+        }
+    }
+
+    pub(crate) fn get(&self, key: &[u8]) -> Result<Option<Bytes>, StoreError> {
+        self.kv().get(key)
+    }
+
+    pub(crate) fn range(
+        &self,
+        from: Option<&[u8]>,
+        to: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Vec<(Bytes, Bytes)>, StoreError> {
+        self.kv().range(from, to, limit)
+    }
+
+    pub(crate) fn len(&self) -> Result<usize, StoreError> {
+        self.kv().len()
     }
 
     pub(crate) fn kv(&self) -> &dyn KeyValueStore {
@@ -74,10 +100,10 @@ impl TaskStore {
                 position: live_position,
                 entries: match (from, to) {
                     (Some(f), Some(t)) if f == t => store
-                        .get(f)
+                        .get(f)?
                         .map(|v| vec![(Bytes::copy_from_slice(f), v)])
                         .unwrap_or_default(),
-                    _ => store.range(from, to, limit),
+                    _ => store.range(from, to, limit)?,
                 },
             }),
             TaskStore::Persistent(store) => {
@@ -94,14 +120,4 @@ impl TaskStore {
             }
         }
     }
-}
-
-/// Restores a memory store: the offsets `[next, until)` of the source, minus
-/// those still on the retry path (`skip`), are replayed through the processor.
-pub(crate) struct Restore {
-    pub(crate) next: u64,
-    pub(crate) until: u64,
-    pub(crate) skip: std::collections::HashSet<u64>,
-    /// A thread is replaying a chunk right now.
-    pub(crate) busy: bool,
 }

@@ -1,199 +1,387 @@
-//! One task (pipeline × partition) as the scheduler sees it: fetch position,
-//! work ready to run (ranges, or per-key lanes in `key` order), the sequencer,
-//! the outcome history kept for streams that start in the past, and counters.
+//! One task (pipeline × partition) as the scheduler sees it: where it fetches,
+//! its work waiting to run, the sequencer and its watermark, its retry queue,
+//! the outcome history kept for streams that start in the past, its commit
+//! state and counters. Every change goes through a method here; the scheduler
+//! decides when, the task keeps its own invariants:
+//!
+//! - at most `threads_per_task` threads run units of the task at once;
+//! - every fetched offset is queued, held by the gate, out in a unit, or
+//!   completed — exactly one of them;
+//! - no unit starts while a commit waits for the task to be idle.
+//!
+//! Over 600 lines: the Task's one `impl`, in short groups (fetching, units,
+//! retries, restore, commits, removal).
 
-use super::retry::{ParkedKeys, RetryQueue};
+use super::attempt::KeyLocks;
+use super::retry::RetryItem;
+use super::retry_queue::RetryQueue;
 use super::sequencer::Sequencer;
-use super::stores::Restore;
+use super::stores::TaskStore;
+use super::subscription::History;
+use super::work::{Gating, WorkQueue, WorkUnit};
 use crate::config::ProcessingOrder;
 use crate::log::Record;
-use crate::metadata::OutcomeBatch;
-use std::collections::VecDeque;
+use crate::metadata::{Outcome, OutcomeBatch, RecordOutcome};
+use bytes::Bytes;
+use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-/// A unit of work: records one thread processes in order, then completes at once.
-pub(crate) struct WorkUnit {
-    pub(crate) records: Vec<Record>,
-    /// `key` order: the lane the records came from (held busy until completion).
-    pub(crate) lane: Option<usize>,
-}
+/// Beyond `max_in_flight_records` of unfinished records, how far (as a
+/// multiple of it) the fetch position may run ahead of the watermark where
+/// outcomes are not held (`key`, `unordered`): a record waiting on its key
+/// stops fetching only after this much, at one byte of sequencer per offset.
+const SPAN_FACTOR: usize = 8;
 
-/// `key` order: records of the keys that hash to this lane, in offset order.
-/// A lane is worked by one thread at a time, so a key never runs twice at once.
-#[derive(Default)]
-struct Lane {
-    queue: VecDeque<Record>,
+/// The first wait after a failed fetch; it doubles per failure up to the cap.
+const FETCH_BACKOFF_FIRST: Duration = Duration::from_millis(10);
+const FETCH_BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// Replays source offsets `[next, until)` into a memory store at start,
+/// minus those still on the retry path (`skip`).
+pub(crate) struct Restore {
+    pub(crate) next: u64,
+    pub(crate) until: u64,
+    pub(crate) skip: Arc<HashSet<u64>>,
+    /// A thread is replaying a chunk right now.
     busy: bool,
 }
 
-/// Retained outcome batches of one task, oldest first, bounded by record count.
-pub(crate) struct History {
-    pub(crate) batches: VecDeque<Arc<OutcomeBatch>>,
-    records: usize,
-    limit: usize,
-    /// Every completed record at or above this offset is still retained.
-    pub(crate) floor: u64,
-}
-
-impl History {
-    fn push(&mut self, batch: Arc<OutcomeBatch>) {
-        self.records += batch.records.len();
-        self.batches.push_back(batch);
-        while self.records > self.limit {
-            let Some(evicted) = self.batches.pop_front() else {
-                break;
-            };
-            self.records -= evicted.records.len();
-            self.floor = self.floor.max(evicted.last_offset + 1);
+impl Restore {
+    pub(crate) fn new(next: u64, until: u64, skip: HashSet<u64>) -> Restore {
+        Restore {
+            next,
+            until,
+            skip: Arc::new(skip),
+            busy: false,
         }
     }
 }
 
-pub(crate) struct Task {
+/// Counters reported in metadata.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct TaskCounters {
+    pub(crate) processed: u64,
+    pub(crate) failed: u64,
+    pub(crate) dead_lettered: u64,
+}
+
+/// How a persistent store's commit waits for the task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CommitWait {
+    /// Until no unit and no retry runs (untagged stores: ranges).
+    Idle,
+    /// Until nothing fetched is unfinished: fetching pauses meanwhile. The
+    /// fallback when a tagged freeze found a key's writes out of order.
+    Drained,
+}
+
+/// Everything the task is made of, from recovery (see `recovery.rs`).
+pub(crate) struct TaskInit {
     pub(crate) id: Arc<str>,
     pub(crate) pipeline: usize,
     pub(crate) partition: u32,
     pub(crate) order: ProcessingOrder,
     pub(crate) threads_per_task: usize,
-    /// Index of the owner thread's slot.
-    pub(crate) owner: usize,
-    /// Threads inside the task at this instant (never more than `threads_per_task`).
-    pub(crate) active: usize,
-    pub(crate) seq: Sequencer<Arc<OutcomeBatch>>,
-    ready: VecDeque<WorkUnit>,
-    /// Records in `ready`.
-    ready_records: usize,
-    lanes: Vec<Lane>,
-    lane_cursor: usize,
-    /// A thread is reading the log for this task right now.
-    pub(crate) fetching: bool,
+    pub(crate) gating: Gating,
+    pub(crate) start: u64,
+    pub(crate) committed: u64,
+    pub(crate) retry: RetryQueue,
+    pub(crate) gated_keys: Vec<Bytes>,
+    pub(crate) store: Arc<TaskStore>,
+    pub(crate) restore: Option<Restore>,
+    pub(crate) max_batch_records: usize,
+    pub(crate) max_in_flight_records: usize,
+    pub(crate) outcome_retention_records: usize,
+}
+
+pub(crate) struct Task {
+    id: Arc<str>,
+    pipeline: usize,
+    partition: u32,
+    order: ProcessingOrder,
+    threads_per_task: usize,
+    /// Completed outcomes wait in the sequencer until every earlier record
+    /// is done (`offset` order with several threads); else they are released
+    /// when their unit completes.
+    held_release: bool,
+    owner: usize,
+    /// Threads inside the task at this instant (at most `threads_per_task`).
+    active: usize,
+    work: WorkQueue,
+    seq: Sequencer<RecordOutcome>,
+    retry: RetryQueue,
+    store: Arc<TaskStore>,
+    locks: Arc<KeyLocks>,
+    fetching: bool,
     /// Bumped by every append to the source partition; equal to `fetched_gen`
     /// once a fetch found nothing new, so idle tasks are not polled.
-    pub(crate) append_gen: u64,
-    pub(crate) fetched_gen: u64,
-    pub(crate) committed: u64,
-    pub(crate) records_processed: u64,
-    pub(crate) records_failed: u64,
-    pub(crate) records_dead_lettered: u64,
-    pub(crate) history: History,
-    /// The store is persistent: commits wait for a quiescent moment (below).
-    pub(crate) persistent: bool,
-    /// A commit of a persistent store is due: no new work starts (in `key`
-    /// order, no new fetch) until the task is quiescent and its state frozen.
-    pub(crate) commit_pending: bool,
-    pub(crate) retry: RetryQueue,
-    /// `key` order: keys with a record on the retry path.
-    pub(crate) parked: Arc<ParkedKeys>,
+    append_gen: u64,
+    fetched_gen: u64,
+    fetch_failures: u32,
+    fetch_after: Option<Instant>,
+    committed: u64,
+    commit_wait: Option<CommitWait>,
+    /// The store's commits freeze by write tag, so they never wait for the
+    /// task (persistent stores with key lanes: records of a key run in order).
+    tagged_commits: bool,
+    history: History,
     /// The watermark the task started from.
-    pub(crate) history_start: u64,
-    /// A memory store being rebuilt; the task does nothing else meanwhile.
-    pub(crate) restore: Option<Restore>,
-    max_batch_records: usize,
-    max_in_flight_records: usize,
+    history_start: u64,
+    restore: Option<Restore>,
+    removing: bool,
+    counters: TaskCounters,
+    max_in_flight: usize,
+    max_span: usize,
 }
 
 impl Task {
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
-        id: Arc<str>,
-        pipeline: usize,
-        partition: u32,
-        order: ProcessingOrder,
-        threads_per_task: usize,
-        owner: usize,
-        start: u64,
-        committed: u64,
-        max_batch_records: usize,
-        max_in_flight_records: usize,
-        history_limit: usize,
-        retry: RetryQueue,
-    ) -> Task {
-        let lanes = if order == ProcessingOrder::Key {
-            // Many lanes per thread: keys spread finely, so no lane is much
-            // longer than the average (lanes are processed one unit at a time).
-            (0..(threads_per_task * 16).min(4096))
-                .map(|_| Lane::default())
-                .collect()
-        } else {
-            Vec::new()
-        };
+    pub(crate) fn new(init: TaskInit, owner: usize) -> Task {
+        let lanes = init.threads_per_task > 1 && init.order != ProcessingOrder::Unordered;
+        let held_release = lanes && init.order == ProcessingOrder::Offset;
+        let persistent = init.store.persistent().is_some();
+        let mut work = WorkQueue::new(
+            lanes,
+            held_release,
+            init.gating,
+            init.threads_per_task,
+            init.max_batch_records,
+            init.max_in_flight_records / 2,
+        );
+        for key in &init.gated_keys {
+            work.gate_key(key);
+        }
         Task {
-            id,
-            pipeline,
-            partition,
-            order,
-            threads_per_task,
+            id: init.id,
+            pipeline: init.pipeline,
+            partition: init.partition,
+            order: init.order,
+            threads_per_task: init.threads_per_task,
+            held_release,
             owner,
             active: 0,
-            seq: Sequencer::new(start),
-            ready: VecDeque::new(),
-            ready_records: 0,
-            lanes,
-            lane_cursor: 0,
+            work,
+            seq: Sequencer::new(init.start),
+            retry: init.retry,
+            store: init.store,
+            locks: Arc::new(KeyLocks::default()),
             fetching: false,
             append_gen: 1,
             fetched_gen: 0,
-            committed,
-            records_processed: 0,
-            records_failed: 0,
-            records_dead_lettered: 0,
-            persistent: false,
-            commit_pending: false,
-            retry,
-            parked: Arc::new(ParkedKeys::default()),
-            restore: None,
-            history_start: start,
-            history: History {
-                batches: VecDeque::new(),
-                records: 0,
-                limit: history_limit,
-                floor: start,
+            fetch_failures: 0,
+            fetch_after: None,
+            committed: init.committed,
+            commit_wait: None,
+            tagged_commits: persistent && lanes,
+            history: History::new(init.outcome_retention_records, init.start),
+            history_start: init.start,
+            restore: init.restore,
+            removing: false,
+            counters: TaskCounters::default(),
+            max_in_flight: init.max_in_flight_records.max(1),
+            max_span: if held_release {
+                init.max_in_flight_records.max(1)
+            } else {
+                init.max_in_flight_records.max(1) * SPAN_FACTOR
             },
-            max_batch_records,
-            max_in_flight_records,
         }
     }
 
-    /// How many more records may be fetched before the sequencer is full.
-    pub(crate) fn fetch_capacity(&self) -> usize {
-        self.max_in_flight_records.saturating_sub(self.seq.in_flight())
+    pub(crate) fn id(&self) -> &Arc<str> {
+        &self.id
     }
 
-    pub(crate) fn can_fetch(&self) -> bool {
+    pub(crate) fn pipeline(&self) -> usize {
+        self.pipeline
+    }
+
+    pub(crate) fn partition(&self) -> u32 {
+        self.partition
+    }
+
+    pub(crate) fn order(&self) -> ProcessingOrder {
+        self.order
+    }
+
+    pub(crate) fn threads_per_task(&self) -> usize {
+        self.threads_per_task
+    }
+
+    /// Outcomes are released in offset order across units (see `held_release`).
+    pub(crate) fn held_release(&self) -> bool {
+        self.held_release
+    }
+
+    pub(crate) fn owner(&self) -> usize {
+        self.owner
+    }
+
+    pub(crate) fn set_owner(&mut self, owner: usize) {
+        self.owner = owner;
+    }
+
+    #[cfg(test)]
+    pub(crate) fn active(&self) -> usize {
+        self.active
+    }
+
+    pub(crate) fn store(&self) -> &Arc<TaskStore> {
+        &self.store
+    }
+
+    pub(crate) fn locks(&self) -> &Arc<KeyLocks> {
+        &self.locks
+    }
+
+    pub(crate) fn watermark(&self) -> u64 {
+        self.seq.watermark()
+    }
+
+    pub(crate) fn committed(&self) -> u64 {
+        self.committed
+    }
+
+    pub(crate) fn history_start(&self) -> u64 {
+        self.history_start
+    }
+
+    pub(crate) fn history(&self) -> &History {
+        &self.history
+    }
+
+    pub(crate) fn counters(&self) -> TaskCounters {
+        self.counters
+    }
+
+    pub(crate) fn retry(&self) -> &RetryQueue {
+        &self.retry
+    }
+
+    /// Fetched and not yet below the watermark.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.seq.span()
+    }
+
+    pub(crate) fn is_restoring(&self) -> bool {
+        self.restore.is_some()
+    }
+
+    pub(crate) fn is_removing(&self) -> bool {
+        self.removing
+    }
+
+    pub(crate) fn is_persistent(&self) -> bool {
+        self.store.persistent().is_some()
+    }
+
+    /// How the task keeps a key's later records behind one on the retry path.
+    pub(crate) fn gating(&self) -> Gating {
+        self.work.gating()
+    }
+
+    pub(crate) fn tagged_commits(&self) -> bool {
+        self.tagged_commits
+    }
+
+    /// The watermark below which every record also has its final outcome
+    /// (none of them is still on the retry path).
+    pub(crate) fn final_watermark(&self) -> u64 {
+        let watermark = self.seq.watermark();
+        self.retry
+            .lowest_pending_source()
+            .map_or(watermark, |p| p.min(watermark))
+    }
+
+    // ---- fetching ----
+
+    /// Records were appended to the source partition.
+    pub(crate) fn notify_append(&mut self) {
+        self.append_gen += 1;
+    }
+
+    pub(crate) fn notify_retry_append(&mut self) {
+        self.retry.notify_append();
+    }
+
+    fn fetch_capacity(&self) -> usize {
+        let by_pending = self.max_in_flight.saturating_sub(self.seq.pending());
+        let by_span = self.max_span.saturating_sub(self.seq.span());
+        by_pending.min(by_span)
+    }
+
+    pub(crate) fn can_fetch(&self, now: Instant) -> bool {
         !self.fetching
             && self.restore.is_none()
-            && !self.commit_pending
+            && !self.removing
+            && self.commit_wait.is_none()
             && self.append_gen != self.fetched_gen
+            && self.fetch_after.is_none_or(|after| now >= after)
             && self.fetch_capacity() > 0
     }
 
-    /// Whether new work may start: not while restoring, nor while a commit
-    /// waits for quiescence (except `key` lanes, which drain what is fetched).
-    fn may_start(&self) -> bool {
-        self.restore.is_none() && (!self.commit_pending || self.order == ProcessingOrder::Key)
+    /// Starts a fetch: (from, max, generation).
+    pub(crate) fn start_fetch(&mut self) -> (u64, usize, u64) {
+        self.fetching = true;
+        (self.seq.fetched_end(), self.fetch_capacity(), self.append_gen)
     }
 
-    /// No processor of the task runs, and every record its store has seen is
-    /// below the watermark: the moment a persistent store's state is exactly
-    /// the watermark's and may be frozen for a commit.
-    pub(crate) fn quiescent(&self) -> bool {
-        self.active == 0
-            && self.retry.in_progress == 0
-            && (self.order != ProcessingOrder::Key || self.seq.in_flight() == 0)
+    /// A fetch started at `generation` ended with `records` (consecutive from
+    /// where it started), or failed: the next one waits with backoff.
+    pub(crate) fn finish_fetch(&mut self, generation: u64, result: Result<Vec<Record>, ()>, now: Instant) {
+        self.fetching = false;
+        match result {
+            Ok(records) if records.is_empty() => self.fetched_gen = generation,
+            Ok(records) => {
+                self.fetch_failures = 0;
+                self.fetch_after = None;
+                self.seq.fetched(records.len());
+                self.work.push_fetched(records);
+            }
+            Err(()) => {
+                self.fetch_failures = self.fetch_failures.saturating_add(1);
+                let backoff = FETCH_BACKOFF_FIRST
+                    .saturating_mul(1 << (self.fetch_failures - 1).min(16))
+                    .min(FETCH_BACKOFF_MAX);
+                self.fetch_after = Some(now + backoff);
+            }
+        }
+    }
+
+    /// When a fetch held back by its backoff may run again.
+    pub(crate) fn fetch_after(&self) -> Option<Instant> {
+        self.fetch_after
+    }
+
+    pub(crate) fn start_retry_fetch(&mut self) -> Option<(u64, usize, u64)> {
+        if self.restore.is_some() || self.removing {
+            return None;
+        }
+        self.retry.start_fetch()
+    }
+
+    pub(crate) fn finish_retry_fetch(&mut self, generation: u64, items: Result<Vec<RetryItem>, ()>) {
+        match items {
+            Ok(items) => {
+                self.retry.fetch_ended(generation, !items.is_empty());
+                self.retry.add_fetched(items);
+            }
+            // Tried again at the next append or pick; a failed read moves nothing.
+            Err(()) => self.retry.fetch_ended(generation, true),
+        }
+    }
+
+    // ---- units ----
+
+    fn may_start_units(&self) -> bool {
+        self.restore.is_none() && !self.removing && self.commit_wait != Some(CommitWait::Idle)
     }
 
     /// Units that could start now (ignoring the thread limit).
     pub(crate) fn startable_units(&self) -> usize {
-        if !self.may_start() {
-            return 0;
-        }
-        if self.order == ProcessingOrder::Key {
-            self.lanes
-                .iter()
-                .filter(|l| !l.busy && !l.queue.is_empty())
-                .count()
+        if self.may_start_units() {
+            self.work.startable_units()
         } else {
-            self.ready.len()
+            0
         }
     }
 
@@ -201,167 +389,268 @@ impl Task {
         self.active < self.threads_per_task
     }
 
-    /// Takes the next unit, if the thread limit and the order allow one.
+    /// Takes the next unit, if the thread limit and the task's state allow one.
     pub(crate) fn take_unit(&mut self) -> Option<WorkUnit> {
-        if !self.has_room() || !self.may_start() {
+        if !self.has_room() || !self.may_start_units() {
             return None;
         }
-        let unit = if self.order == ProcessingOrder::Key {
-            // Longest lane first: lanes are serial, so the longest decides when
-            // the task finishes (LPT scheduling); ties go round the cursor.
-            let n = self.lanes.len();
-            let lane = (0..n)
-                .map(|i| (self.lane_cursor + i) % n)
-                .filter(|&i| !self.lanes[i].busy && !self.lanes[i].queue.is_empty())
-                .max_by_key(|&i| {
-                    (
-                        self.lanes[i].queue.len(),
-                        std::cmp::Reverse((i + n - self.lane_cursor) % n),
-                    )
-                })?;
-            self.lane_cursor = (lane + 1) % n;
-            // Units shrink as the queued work does, so the last ones are small
-            // enough for every thread to share the tail.
-            let queued: usize = self.lanes.iter().map(|l| l.queue.len()).sum();
-            let cap = queued
-                .div_ceil(self.threads_per_task * 4)
-                .clamp(1, self.max_batch_records);
-            let lane_ref = &mut self.lanes[lane];
-            lane_ref.busy = true;
-            let take = lane_ref.queue.len().min(cap);
-            WorkUnit {
-                records: lane_ref.queue.drain(..take).collect(),
-                lane: Some(lane),
-            }
-        } else {
-            let mut unit = self.ready.pop_front()?;
-            // As in `key` order: the last units of a fetch shrink so the tail is shared.
-            let cap = self.ready_records.div_ceil(self.threads_per_task * 4).max(1);
-            if self.threads_per_task > 1 && unit.records.len() > cap {
-                let rest = unit.records.split_off(cap);
-                self.ready.push_front(WorkUnit {
-                    records: rest,
-                    lane: None,
-                });
-            }
-            self.ready_records -= unit.records.len();
-            unit
-        };
+        let unit = self.work.take_unit()?;
         self.active += 1;
         Some(unit)
     }
 
-    /// Puts an unfinished unit back where it came from (its thread died).
+    /// A unit's thread died holding it: every record goes back, unchanged.
     pub(crate) fn return_unit(&mut self, unit: WorkUnit) {
         self.active -= 1;
-        match unit.lane {
-            Some(lane) => {
-                let lane = &mut self.lanes[lane];
-                for record in unit.records.into_iter().rev() {
-                    lane.queue.push_front(record);
-                }
-                lane.busy = false;
+        self.work.give_back(unit.lane, unit.records);
+    }
+
+    /// A unit came back: `outcomes` of the records it completed, `returned`
+    /// ones it did not run, and one key per entry it put on the retry path.
+    /// Answers the batches released to subscribers (published by the caller).
+    pub(crate) fn finish_unit(
+        &mut self,
+        lane: Option<usize>,
+        thread: &Arc<str>,
+        outcomes: Vec<RecordOutcome>,
+        returned: Vec<Record>,
+        retry_keys: &[Bytes],
+        make_batch: impl Fn(&Arc<str>, Vec<RecordOutcome>) -> OutcomeBatch,
+    ) -> Option<Arc<OutcomeBatch>> {
+        self.active -= 1;
+        self.work.give_back(lane, returned);
+        for key in retry_keys {
+            self.work.gate_key(key);
+        }
+        self.count(&outcomes);
+        let released = if self.held_release {
+            let mut released = Vec::new();
+            for outcome in outcomes {
+                let offset = outcome.offset;
+                self.seq.complete(offset, Some(outcome), &mut released);
             }
-            None => {
-                self.ready_records += unit.records.len();
-                self.ready.push_front(unit)
+            released
+        } else {
+            let mut none = Vec::new();
+            for outcome in &outcomes {
+                self.seq.complete(outcome.offset, None, &mut none);
+            }
+            outcomes
+        };
+        self.publish(thread, released, make_batch)
+    }
+
+    fn publish(
+        &mut self,
+        thread: &Arc<str>,
+        released: Vec<RecordOutcome>,
+        make_batch: impl Fn(&Arc<str>, Vec<RecordOutcome>) -> OutcomeBatch,
+    ) -> Option<Arc<OutcomeBatch>> {
+        if released.is_empty() {
+            return None;
+        }
+        let batch = Arc::new(make_batch(thread, released));
+        self.history.push(batch.clone());
+        Some(batch)
+    }
+
+    fn count(&mut self, outcomes: &[RecordOutcome]) {
+        for record in outcomes {
+            match record.outcome {
+                Outcome::Processed => self.counters.processed += 1,
+                Outcome::DeadLettered => self.counters.dead_lettered += 1,
+                Outcome::Retrying | Outcome::Failed => {}
+            }
+            if record.outcome != Outcome::Processed && record.attempts > 0 {
+                self.counters.failed += 1;
             }
         }
     }
 
-    /// Adds fetched records (consecutive, starting at `fetched_end()`) as work.
-    pub(crate) fn add_fetched(&mut self, records: Vec<Record>) {
-        self.seq.fetched(records.len());
-        if self.order == ProcessingOrder::Key {
-            let n = self.lanes.len();
-            for record in records {
-                // Records without a key have no order to keep: spread them.
-                let lane = match record.key.as_deref() {
-                    Some(k) => crate::log::murmur2(k) as u32 as usize % n,
-                    None => record.offset as usize % n,
-                };
-                self.lanes[lane].queue.push_back(record);
+    // ---- retries ----
+
+    /// Due retry items whose source record's first outcome is out.
+    pub(crate) fn take_due_retries(&mut self, now_ms: i64) -> Vec<RetryItem> {
+        if self.restore.is_some() || self.removing || self.commit_wait == Some(CommitWait::Idle) {
+            return Vec::new();
+        }
+        let (held_release, seq) = (self.held_release, &self.seq);
+        let published = |offset: u64| {
+            if held_release {
+                offset < seq.watermark()
+            } else {
+                seq.is_completed(offset)
             }
-            return;
-        }
-        // Enough ranges that every thread of the task gets several (so the
-        // tail of a fetch is shared, not left to a few long ranges), but not
-        // so small that scheduling costs more than the records.
-        let divisor = if self.threads_per_task == 1 {
-            1
-        } else {
-            self.threads_per_task * 16
         };
-        let size = records.len().div_ceil(divisor).clamp(1, self.max_batch_records);
-        let mut records = records.into_iter().peekable();
-        while records.peek().is_some() {
-            let chunk: Vec<Record> = records.by_ref().take(size).collect();
-            self.ready_records += chunk.len();
-            self.ready.push_back(WorkUnit {
-                records: chunk,
-                lane: None,
-            });
-        }
+        self.retry.take_due(now_ms, published)
     }
+
+    pub(crate) fn next_retry_due_ms(&self) -> Option<i64> {
+        if self.commit_wait == Some(CommitWait::Idle) || self.removing {
+            return None;
+        }
+        self.retry.next_due_ms()
+    }
+
+    /// Retry items came back: `finished` reached a final outcome (their keys
+    /// open), `again` wait for another attempt.
+    pub(crate) fn finish_retries(
+        &mut self,
+        thread: &Arc<str>,
+        finished: &[(u64, u64, Option<Bytes>)],
+        again: Vec<RetryItem>,
+        outcomes: Vec<RecordOutcome>,
+        make_batch: impl Fn(&Arc<str>, Vec<RecordOutcome>) -> OutcomeBatch,
+    ) -> Option<Arc<OutcomeBatch>> {
+        self.retry.complete(finished, again);
+        for (_, _, key) in finished {
+            if let Some(key) = key {
+                self.work.ungate_key(key);
+            }
+        }
+        self.count(&outcomes);
+        self.publish(thread, outcomes, make_batch)
+    }
+
+    pub(crate) fn return_retries(&mut self, items: Vec<RetryItem>) {
+        self.retry.return_items(items);
+    }
+
+    // ---- restore ----
+
+    /// The next chunk to replay, if no thread replays one now.
+    pub(crate) fn start_restore(&mut self) -> Option<(u64, u64, Arc<HashSet<u64>>)> {
+        let restore = self.restore.as_mut().filter(|r| !r.busy)?;
+        restore.busy = true;
+        Some((restore.next, restore.until, restore.skip.clone()))
+    }
+
+    pub(crate) fn restore_pending(&self) -> bool {
+        self.restore.as_ref().is_some_and(|r| !r.busy)
+    }
+
+    /// A replay step ended at `next` (or failed and is tried again); answers
+    /// whether the store is now restored.
+    pub(crate) fn finish_restore(&mut self, next: Option<u64>) -> bool {
+        let Some(restore) = self.restore.as_mut() else {
+            return true;
+        };
+        restore.busy = false;
+        if let Some(next) = next {
+            restore.next = next;
+        }
+        if restore.next >= restore.until {
+            self.restore = None;
+            return true;
+        }
+        false
+    }
+
+    // ---- commits ----
 
     /// Whether a watermark moved since the last commit.
     pub(crate) fn has_uncommitted(&self) -> bool {
         self.seq.watermark() != self.committed
-            || if self.persistent {
+            || if self.is_persistent() {
                 self.retry.has_uncommitted()
             } else {
-                self.retry.seq.watermark() != self.retry.committed
+                self.retry.watermark() != self.retry.committed()
             }
     }
 
-    pub(crate) fn history_push(&mut self, batch: Arc<OutcomeBatch>) {
-        self.history.push(batch);
+    /// A persistent store must freeze now: tagged stores at once, others
+    /// once the task is idle. Answers whether it can freeze right away.
+    pub(crate) fn request_commit(&mut self) -> bool {
+        if self.tagged_commits && self.commit_wait.is_none() {
+            return true;
+        }
+        if self.commit_wait.is_none() {
+            self.commit_wait = Some(CommitWait::Idle);
+        }
+        self.commit_ready()
     }
 
-    /// Adds a batch's outcomes to the task's counters.
-    pub(crate) fn count_outcomes(&mut self, batch: &OutcomeBatch) {
-        use crate::metadata::Outcome;
-        for record in &batch.records {
-            match record.outcome {
-                Outcome::Processed => self.records_processed += 1,
-                Outcome::DeadLettered => self.records_dead_lettered += 1,
-                Outcome::Retrying | Outcome::Failed => {}
-            }
-            if record.outcome != Outcome::Processed && record.attempts > 0 {
-                self.records_failed += 1;
-            }
+    /// A tagged freeze found writes out of order: commit once drained instead.
+    pub(crate) fn commit_needs_drain(&mut self) {
+        self.commit_wait = Some(CommitWait::Drained);
+    }
+
+    /// Whether the store's state is now exactly that of the records below
+    /// the watermarks, so a commit waiting for the task may freeze it.
+    pub(crate) fn commit_ready(&self) -> bool {
+        let idle = self.active == 0 && self.retry.in_progress() == 0;
+        match self.commit_wait {
+            None => false,
+            Some(CommitWait::Idle) => idle,
+            Some(CommitWait::Drained) => idle && self.seq.pending() == 0 && self.work.queued() == 0,
         }
     }
 
-    /// Completes a processed unit and publishes what the sequencer releases.
-    pub(crate) fn complete(
-        &mut self,
-        lane: Option<usize>,
-        batch: OutcomeBatch,
-        released: &mut Vec<Arc<OutcomeBatch>>,
-    ) {
-        self.active -= 1;
-        self.count_outcomes(&batch);
-        let batch = Arc::new(batch);
-        match lane {
-            Some(lane) => {
-                self.lanes[lane].busy = false;
-                let offsets: Vec<u64> = batch.records.iter().map(|r| r.offset).collect();
-                self.seq.complete_offsets(offsets, batch, released);
-            }
-            None => {
-                let ordered = self.order == ProcessingOrder::Offset;
-                self.seq.complete_range(
-                    batch.first_offset,
-                    batch.last_offset,
-                    batch.clone(),
-                    ordered,
-                    released,
-                );
-            }
-        }
-        for batch in released.iter() {
-            self.history.push(batch.clone());
-        }
+    /// The commit waiting for the task is being frozen.
+    pub(crate) fn commit_frozen(&mut self) {
+        self.commit_wait = None;
+    }
+
+    /// Positions to commit now: source watermark, retry watermark, and (for
+    /// a persistent store) the final retry offsets above the latter.
+    pub(crate) fn commit_positions(&self) -> (u64, u64, Vec<u64>) {
+        let done = if self.is_persistent() {
+            self.retry.done_above_watermark()
+        } else {
+            // A memory store is rebuilt without them and they run again: once in all.
+            Vec::new()
+        };
+        (self.seq.watermark(), self.retry.watermark(), done)
+    }
+
+    /// A commit of these positions succeeded.
+    pub(crate) fn mark_committed(&mut self, offset: u64, retry_offset: u64, retry_done: usize) {
+        self.committed = self.committed.max(offset);
+        self.retry.mark_committed(retry_offset, retry_done);
+    }
+
+    // ---- removal ----
+
+    /// Stops handing out work; what is queued is dropped now (records not
+    /// run are fetched again by whoever resumes at the watermark). Answers
+    /// how many records were dropped.
+    pub(crate) fn begin_removal(&mut self) -> usize {
+        self.removing = true;
+        self.commit_wait = None;
+        self.work.clear()
+    }
+
+    /// No thread works for the task any more: it may be taken out.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.active == 0
+            && !self.fetching
+            && self.retry.in_progress() == 0
+            && !self.retry_fetching()
+            && self.restore.as_ref().is_none_or(|r| !r.busy)
+    }
+
+    fn retry_fetching(&self) -> bool {
+        self.retry.is_fetching()
+    }
+
+    /// Forgets the fetched records that will not complete here (the task is
+    /// idle and leaving), so its watermark is final.
+    pub(crate) fn forget_unfinished(&mut self) {
+        self.seq.truncate_to_watermark();
+    }
+
+    #[cfg(test)]
+    pub(crate) fn queued(&self) -> usize {
+        self.work.queued()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn held(&self) -> usize {
+        self.work.held()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn pending(&self) -> usize {
+        self.seq.pending()
     }
 }

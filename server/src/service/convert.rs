@@ -268,6 +268,7 @@ fn record_metadata(record: &RecordOutcome) -> pb::RecordMetadata {
         outcome: record_outcome(record.outcome) as i32,
         attempts: record.attempts,
         error: record.error.as_deref().unwrap_or_default().to_string(),
+        thread: record.thread.as_deref().unwrap_or_default().to_string(),
     }
 }
 
@@ -330,6 +331,7 @@ mod tests {
             last_offset: last,
             records: (first..=last)
                 .map(|offset| RecordOutcome {
+                    thread: None,
                     offset,
                     key: (offset % 2 == 0).then(|| Bytes::from(format!("k{offset}"))),
                     timestamp_ms: 1_000 + offset as i64,

@@ -6,7 +6,7 @@
 use super::convert;
 use super::status::{ServiceError, to_status};
 use crate::config::SlowSubscriberPolicy;
-use crate::metadata::{OutcomeSubscription, SubscriptionEvent};
+use crate::runtime::{OutcomeSubscription, SubscriptionEvent};
 use taskstream::v1 as pb;
 use taskstream::v1::get_metadata_async_response::Event;
 use tokio::sync::mpsc;

@@ -4,8 +4,8 @@
 //! naming the request field, so it reaches the client as a BadRequest violation.
 
 use crate::log::ProducerRecord;
-use crate::metadata::{EndAt, StartAt, SubscribeRequest};
 use crate::runtime::RuntimeError;
+use crate::runtime::{EndAt, StartAt, SubscribeRequest};
 use std::collections::{BTreeMap, HashMap};
 use taskstream::v1 as pb;
 

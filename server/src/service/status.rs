@@ -15,6 +15,8 @@ pub const ERROR_DOMAIN: &str = "taskstream";
 pub const PRECONDITION_PROCESSING_ORDER: &str = "PROCESSING_ORDER";
 
 /// `ErrorInfo.reason` of a stream ended because its subscriber fell behind.
+/// ErrorInfo reason: the partition asked for is held by another instance.
+pub const REASON_NOT_HOSTED: &str = "PARTITION_NOT_HOSTED";
 pub const REASON_SUBSCRIBER_LAGGED: &str = "SUBSCRIBER_LAGGED";
 
 /// `ErrorInfo.reason` of a stream that asked for offsets no longer retained.
@@ -130,6 +132,24 @@ pub fn to_status(error: impl Into<ServiceError>) -> Status {
                 ]),
             ),
         ),
+        ServiceError::Runtime(RuntimeError::NotHosted { store, partition }) => Status::with_error_details(
+            Code::FailedPrecondition,
+            message,
+            // The Kafka mode adds the owner's host:port here.
+            ErrorDetails::with_error_info(
+                REASON_NOT_HOSTED,
+                ERROR_DOMAIN,
+                HashMap::from([
+                    ("store".to_string(), store.clone()),
+                    ("partition".to_string(), partition.to_string()),
+                ]),
+            ),
+        ),
+        ServiceError::Runtime(RuntimeError::CommitFailed(failures)) => {
+            // Task ids and storage errors are the server's business: logs only.
+            tracing::error!(failures = ?failures, "commit failure answered as INTERNAL");
+            Status::internal("commits failed; the server log has the details")
+        }
         ServiceError::Runtime(RuntimeError::Internal(detail)) => {
             // The detail may name files, threads or states: logs only.
             tracing::error!(error = %detail, "internal error answered as INTERNAL");

@@ -3,7 +3,7 @@
 //! it, `finish_commit` writes the frozen layer while processing continues. Reads go dirty →
 //! frozen → committed redb data; snapshots (interactive queries) see only the last commit.
 
-use super::KeyValueStore;
+use super::{KeyValueStore, SHARDS, StoreError, Write, shard_of};
 use bytes::Bytes;
 use redb::{
     Database, ReadOnlyTable, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
@@ -11,7 +11,6 @@ use redb::{
 use std::any::Any;
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
-use std::fmt::Display;
 use std::ops::Bound;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
@@ -27,22 +26,6 @@ pub struct Checkpoint {
     /// Retry-topic offsets at or above `retry_offset` already final: their
     /// effects are in the data, so a restart must not apply them again.
     pub retry_done: Vec<u64>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("data file {path}: {message}")]
-pub struct StoreError {
-    pub path: String,
-    pub message: String,
-}
-
-impl StoreError {
-    fn new(path: &Path, message: impl Display) -> Self {
-        StoreError {
-            path: path.display().to_string(),
-            message: message.to_string(),
-        }
-    }
 }
 
 fn panic_message(payload: &(dyn Any + Send)) -> &str {
@@ -89,19 +72,247 @@ pub struct StoreFacts {
     pub verified: bool,
 }
 
-const SHARDS: usize = 16;
 /// redb's default page cache is 1 GiB per database, and a server holds one store per task. Hot
 /// keys live in the dirty overlay anyway, so the cache only serves cold reads.
 const CACHE_BYTES: usize = 64 * 1024 * 1024;
 
-/// Writes not yet committed: `None` is a tombstone hiding the key in the layers below.
+/// A layer of writes: `None` is a tombstone hiding the key in the layers below.
 type Layer = BTreeMap<Bytes, Option<Bytes>>;
+
+/// Which record a write belongs to, so that a commit takes exactly the writes of the records its
+/// checkpoint covers (see `begin_commit`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteTag {
+    /// Covered by the next commit, whatever it covers: writes made through the `KeyValueStore`
+    /// methods, and writes of a task that commits only when no record of it is in flight.
+    Untracked,
+    /// The write of the record at this source offset.
+    Source(u64),
+    /// The write of the retry-topic entry at this offset.
+    Retry(u64),
+}
+
+impl WriteTag {
+    fn covered_by(self, checkpoint: &Checkpoint) -> bool {
+        match self {
+            WriteTag::Untracked => true,
+            WriteTag::Source(offset) => offset < checkpoint.watermark,
+            WriteTag::Retry(offset) => {
+                offset < checkpoint.retry_offset || checkpoint.retry_done.binary_search(&offset).is_ok()
+            }
+        }
+    }
+}
+
+/// The uncommitted values of one key, oldest first; the last is the current value. More than
+/// one only while the key has writes that the next commit may have to leave out.
+///
+/// Invariant (kept by the runtime's per-key order, checked by `begin_commit`): the versions a
+/// checkpoint covers are a prefix of the chain, since records of one key run in offset order.
+#[derive(Debug)]
+enum Versions {
+    One(WriteTag, Option<Bytes>),
+    Chain(Vec<(WriteTag, Option<Bytes>)>),
+}
+
+impl Versions {
+    fn current(&self) -> &Option<Bytes> {
+        match self {
+            Versions::One(_, value) => value,
+            Versions::Chain(chain) => chain.last().map_or(&None, |(_, value)| value),
+        }
+    }
+
+    fn tags(&self) -> impl Iterator<Item = WriteTag> + '_ {
+        let (one, chain) = match self {
+            Versions::One(tag, _) => (Some(*tag), &[][..]),
+            Versions::Chain(chain) => (None, &chain[..]),
+        };
+        one.into_iter().chain(chain.iter().map(|(tag, _)| *tag))
+    }
+
+    /// Adds a newer value. A version is dropped once the one after it is `settled` (covered by
+    /// every future commit), so a key written by many records holds only the unsettled ones.
+    fn push(&mut self, tag: WriteTag, value: Option<Bytes>, settled: impl Fn(WriteTag) -> bool) {
+        let chain = match self {
+            Versions::One(..) if settled(tag) => {
+                *self = Versions::One(tag, value);
+                return;
+            }
+            Versions::One(old_tag, old_value) => {
+                let old = (*old_tag, old_value.take());
+                *self = Versions::Chain(vec![old, (tag, value)]);
+                return;
+            }
+            Versions::Chain(chain) => chain,
+        };
+        chain.push((tag, value));
+        let settled_prefix = chain.iter().skip(1).take_while(|(tag, _)| settled(*tag)).count();
+        chain.drain(..settled_prefix);
+        if chain.len() == 1
+            && let Some((tag, value)) = chain.pop()
+        {
+            *self = Versions::One(tag, value);
+        }
+    }
+
+    /// Splits off what `checkpoint` covers: the value as of the covered prefix (if any) goes to
+    /// the commit, the rest stays. `Err` if a covered version follows an uncovered one.
+    fn split(&mut self, checkpoint: &Checkpoint) -> Result<Split, ()> {
+        let covered = self.tags().take_while(|tag| tag.covered_by(checkpoint)).count();
+        if self.tags().skip(covered).any(|tag| tag.covered_by(checkpoint)) {
+            return Err(());
+        }
+        Ok(match self {
+            Versions::One(_, value) if covered == 1 => Split::All(value.take()),
+            Versions::Chain(chain) if covered == chain.len() => {
+                Split::All(chain.pop().and_then(|(_, value)| value))
+            }
+            Versions::Chain(chain) if covered > 0 => {
+                let value = chain[covered - 1].1.take();
+                chain.drain(..covered);
+                Split::Part(value)
+            }
+            _ => Split::None,
+        })
+    }
+}
+
+enum Split {
+    /// Every version is covered: the key leaves the dirty layer with this value.
+    All(Option<Bytes>),
+    /// The covered prefix ends with this value; later versions stay.
+    Part(Option<Bytes>),
+    None,
+}
+
+/// A commit could not be frozen: some key's covered writes follow uncovered ones, which happens
+/// only when records of one key ran out of offset order (a processor writing keys other than
+/// its record's). The runtime then commits at a moment when none of the task's records is in
+/// flight, where every write is covered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("writes to one key are not in offset order; commit when the task is quiescent")]
+pub struct FreezeError;
 
 struct ShardState {
     /// Writes since the last `begin_commit`.
-    dirty: Layer,
+    dirty: BTreeMap<Bytes, Versions>,
+    /// The highest source offset and the retry offsets tagged in `dirty`: when the checkpoint
+    /// covers them all, a commit takes the whole layer without looking at each key.
+    highest_source: Option<u64>,
+    retry_tags: Vec<u64>,
     /// This shard's part of the frozen commit until `finish_commit` has made it durable.
     frozen: Option<Arc<Layer>>,
+}
+
+impl ShardState {
+    fn new() -> ShardState {
+        ShardState {
+            dirty: BTreeMap::new(),
+            highest_source: None,
+            retry_tags: Vec::new(),
+            frozen: None,
+        }
+    }
+
+    fn note_tag(&mut self, tag: WriteTag) {
+        match tag {
+            WriteTag::Untracked => {}
+            WriteTag::Source(offset) => {
+                self.highest_source = Some(self.highest_source.map_or(offset, |h| h.max(offset)));
+            }
+            WriteTag::Retry(offset) => self.retry_tags.push(offset),
+        }
+    }
+
+    fn all_covered_by(&self, checkpoint: &Checkpoint) -> bool {
+        self.highest_source.is_none_or(|h| h < checkpoint.watermark)
+            && self
+                .retry_tags
+                .iter()
+                .all(|&r| WriteTag::Retry(r).covered_by(checkpoint))
+    }
+
+    fn write(&mut self, key: Bytes, tag: WriteTag, value: Option<Bytes>, settled_below: u64) {
+        self.note_tag(tag);
+        let settled = |tag: WriteTag| match tag {
+            WriteTag::Untracked => true,
+            WriteTag::Source(offset) => offset < settled_below,
+            WriteTag::Retry(_) => false,
+        };
+        match self.dirty.get_mut(&key) {
+            Some(versions) => versions.push(tag, value, settled),
+            None => {
+                self.dirty.insert(key, Versions::One(tag, value));
+            }
+        }
+    }
+
+    /// Moves what `checkpoint` covers into a new frozen layer.
+    fn freeze(&mut self, checkpoint: &Checkpoint) -> Arc<Layer> {
+        let layer = if self.all_covered_by(checkpoint) {
+            self.highest_source = None;
+            self.retry_tags.clear();
+            std::mem::take(&mut self.dirty)
+                .into_iter()
+                .map(|(key, mut versions)| {
+                    let value = match &mut versions {
+                        Versions::One(_, value) => value.take(),
+                        Versions::Chain(chain) => chain.pop().and_then(|(_, value)| value),
+                    };
+                    (key, value)
+                })
+                .collect()
+        } else {
+            let mut layer = Layer::new();
+            self.dirty.retain(|key, versions| {
+                // `begin_commit` checked every chain first, so a split cannot fail here.
+                match versions.split(checkpoint) {
+                    Ok(Split::All(value)) => {
+                        layer.insert(key.clone(), value);
+                        false
+                    }
+                    Ok(Split::Part(value)) => {
+                        layer.insert(key.clone(), value);
+                        true
+                    }
+                    Ok(Split::None) | Err(()) => true,
+                }
+            });
+            self.highest_source = None;
+            self.retry_tags.clear();
+            let tags: Vec<WriteTag> = self.dirty.values().flat_map(Versions::tags).collect();
+            for tag in tags {
+                self.note_tag(tag);
+            }
+            layer
+        };
+        let layer = Arc::new(layer);
+        self.frozen = Some(layer.clone());
+        layer
+    }
+
+    /// Whether every key's covered versions form a prefix of its chain.
+    fn can_freeze(&self, checkpoint: &Checkpoint) -> bool {
+        self.all_covered_by(checkpoint)
+            || self.dirty.values().all(|versions| {
+                let covered = versions
+                    .tags()
+                    .take_while(|tag| tag.covered_by(checkpoint))
+                    .count();
+                !versions
+                    .tags()
+                    .skip(covered)
+                    .any(|tag| tag.covered_by(checkpoint))
+            })
+    }
+}
+
+/// A frozen commit not yet durable: one layer per shard, and the checkpoint it is as of.
+#[derive(Clone)]
+struct Pending {
+    layers: Arc<[Arc<Layer>]>,
+    checkpoint: Checkpoint,
 }
 
 /// Keeps each shard's lock on its own cache lines, so threads on different shards do not
@@ -210,14 +421,15 @@ impl Committed {
 
 /// A redb-backed store of one task. See the module doc for the layers.
 ///
-/// The `KeyValueStore` methods cannot return errors: a failed (or panicking) read of the redb
-/// file there panics with a `StoreError` message naming the file, which the runtime turns into a
-/// failed record. Like MemoryStore's, `update`'s closure must not call back into the store.
+/// The runtime writes through `apply`, tagging each write with its record so that a commit
+/// takes exactly the writes its checkpoint covers; the `KeyValueStore` methods write untracked.
+/// A failed (or panicking) read of the redb file is a `StoreError` naming the file. Like
+/// MemoryStore's, `update`'s closure must not call back into the store.
 pub struct PersistentStore {
     shards: Box<[Shard]>,
     committed: RwLock<Arc<Committed>>,
     /// The frozen layers (one per shard) from `begin_commit` until `finish_commit` succeeds.
-    pending: Mutex<Option<Arc<[Arc<Layer>]>>>,
+    pending: Mutex<Option<Pending>>,
     /// Serialises `finish_commit`s without making `begin_commit` wait for one.
     writer: Mutex<()>,
     /// Only `finish_commit` uses it (reads go through `committed`). After an I/O error redb
@@ -347,12 +559,7 @@ impl PersistentStore {
         })?;
         Ok(PersistentStore {
             shards: (0..SHARDS)
-                .map(|_| {
-                    Shard(RwLock::new(ShardState {
-                        dirty: Layer::new(),
-                        frozen: None,
-                    }))
-                })
+                .map(|_| Shard(RwLock::new(ShardState::new())))
                 .collect(),
             committed: RwLock::new(Arc::new(committed)),
             pending: Mutex::new(None),
@@ -447,39 +654,61 @@ impl PersistentStore {
         read(&self.committed).checkpoint.clone()
     }
 
-    /// Freezes every write made so far as the next commit. Returns false (and freezes nothing)
-    /// while the previous frozen commit is still being written, or failed to be written.
+    /// Freezes the writes `checkpoint` covers as the next commit (see `WriteTag`); later
+    /// writes stay for the one after. Answers false (and freezes nothing) while the previous
+    /// frozen commit is still being written, or failed to be written.
     ///
-    /// The freeze is atomic only because the runtime calls this while no processor of the task
-    /// runs; concurrent writers would be split between the two commits shard by shard.
-    pub fn begin_commit(&self) -> bool {
+    /// Untracked writes are always covered, so for them the freeze is exact only while no
+    /// processor of the task runs, which is how the runtime calls it for untracked tasks.
+    pub fn begin_commit(&self, checkpoint: &Checkpoint) -> Result<bool, FreezeError> {
         let mut pending = lock(&self.pending);
         if pending.is_some() {
-            return false;
+            return Ok(false);
+        }
+        // Every shard is checked before any is split, so a refused freeze changes nothing.
+        // Writes arriving meanwhile are of records the checkpoint does not cover (those it
+        // covers completed before it was taken), so they cannot make a checked shard unfit.
+        if !self
+            .shards
+            .iter()
+            .all(|shard| read(&shard.0).can_freeze(checkpoint))
+        {
+            return Err(FreezeError);
         }
         let layers: Arc<[Arc<Layer>]> = self
             .shards
             .iter()
-            .map(|shard| {
-                let mut state = write(&shard.0);
-                let layer = Arc::new(std::mem::take(&mut state.dirty));
-                state.frozen = Some(layer.clone());
-                layer
-            })
+            .map(|shard| write(&shard.0).freeze(checkpoint))
             .collect();
-        *pending = Some(layers);
-        true
+        *pending = Some(Pending {
+            layers,
+            checkpoint: checkpoint.clone(),
+        });
+        Ok(true)
     }
 
-    /// Writes the frozen writes and `checkpoint` in one durable transaction, then drops the
-    /// frozen layer. Without a frozen layer it still writes the checkpoint. Safe to call from
-    /// another thread than begin_commit's, while processors keep writing.
+    /// Applies the writes of one successful attempt, tagged with its record. `settled_below`
+    /// is a source offset every future checkpoint's watermark is at or above (the task's
+    /// watermark when the attempt started), so older versions of a key can be dropped.
+    pub fn apply(&self, tag: WriteTag, writes: impl IntoIterator<Item = Write>, settled_below: u64) {
+        for (key, value) in writes {
+            write(self.shard(&key)).write(key, tag, value, settled_below);
+        }
+    }
+
+    /// Writes the frozen commit (its writes and its checkpoint) in one durable transaction,
+    /// then drops the frozen layer; answers the checkpoint written, or None if nothing was
+    /// frozen (another call wrote it). Safe to call from another thread than begin_commit's,
+    /// while processors keep writing.
     ///
-    /// On error the frozen layer stays in place (reads still see it) and pending: calling this
-    /// again retries the same writes, which is harmless since they are plain puts and deletes.
-    pub fn finish_commit(&self, checkpoint: Checkpoint) -> Result<(), StoreError> {
+    /// On error the frozen commit stays in place (reads still see it) and pending: calling
+    /// this again retries it, which is harmless since it holds plain puts and deletes.
+    pub fn finish_commit(&self) -> Result<Option<Checkpoint>, StoreError> {
         let _writer = lock(&self.writer);
-        let layers = lock(&self.pending).clone();
+        let Some(pending) = lock(&self.pending).clone() else {
+            return Ok(None);
+        };
+        let checkpoint = pending.checkpoint;
         let mut db = lock(&self.db);
         if db.is_none() {
             self.reopen(&mut db)?;
@@ -494,7 +723,7 @@ impl PersistentStore {
             txn.set_quick_repair(true);
             {
                 let mut data = txn.open_table(DATA)?;
-                for layer in layers.iter().flat_map(|layers| layers.iter()) {
+                for layer in pending.layers.iter() {
                     for (key, value) in layer.iter() {
                         match value {
                             Some(value) => data.insert(key.as_ref(), value.as_ref())?,
@@ -540,13 +769,11 @@ impl PersistentStore {
         // The new view goes in before the frozen layers go out: a reader finding no frozen layer
         // must find their writes below.
         *write(&self.committed) = Arc::new(committed);
-        if layers.is_some() {
-            for shard in self.shards.iter() {
-                write(&shard.0).frozen = None;
-            }
-            *lock(&self.pending) = None;
+        for shard in self.shards.iter() {
+            write(&shard.0).frozen = None;
         }
-        Ok(())
+        *lock(&self.pending) = None;
+        Ok(Some(checkpoint))
     }
 
     /// Closes the database and opens the file again: redb's way out of an I/O error. The last
@@ -583,56 +810,57 @@ impl PersistentStore {
     }
 
     fn shard(&self, key: &[u8]) -> &RwLock<ShardState> {
-        // FNV-1a, as MemoryStore: cheap, and keys of one partition are already spread by murmur2.
-        let mut hash: u32 = 0x811c_9dc5;
-        for &byte in key {
-            hash = (hash ^ byte as u32).wrapping_mul(0x0100_0193);
-        }
-        &self.shards[hash as usize % SHARDS].0
+        &self.shards[shard_of(key, SHARDS)].0
     }
 
     /// The value of `key` below the dirty layer of its shard, whose lock the caller holds.
-    fn lower(&self, state: &ShardState, key: &[u8]) -> Option<Bytes> {
+    fn lower(&self, state: &ShardState, key: &[u8]) -> Result<Option<Bytes>, StoreError> {
         if let Some(frozen) = &state.frozen
             && let Some(value) = frozen.get(key)
         {
-            return value.clone();
+            return Ok(value.clone());
         }
         let committed = read(&self.committed);
-        guarded(&self.path, || committed.get(key)).unwrap_or_else(|e| panic!("{e}"))
+        guarded(&self.path, || committed.get(key))
     }
 }
 
 impl KeyValueStore for PersistentStore {
-    fn get(&self, key: &[u8]) -> Option<Bytes> {
+    fn get(&self, key: &[u8]) -> Result<Option<Bytes>, StoreError> {
         let state = read(self.shard(key));
         match state.dirty.get(key) {
-            Some(value) => value.clone(),
+            Some(versions) => Ok(versions.current().clone()),
             None => self.lower(&state, key),
         }
     }
 
-    fn put(&self, key: Bytes, value: Bytes) {
-        write(self.shard(&key)).dirty.insert(key, Some(value));
+    fn put(&self, key: Bytes, value: Bytes) -> Result<(), StoreError> {
+        write(self.shard(&key)).write(key, WriteTag::Untracked, Some(value), 0);
+        Ok(())
     }
 
-    fn delete(&self, key: &[u8]) -> Option<Bytes> {
+    fn delete(&self, key: &[u8]) -> Result<Option<Bytes>, StoreError> {
         let mut state = write(self.shard(key));
-        if let Some(slot) = state.dirty.get_mut(key) {
-            return slot.take();
-        }
-        let old = self.lower(&state, key);
+        let old = match state.dirty.get(key) {
+            Some(versions) => versions.current().clone(),
+            None => self.lower(&state, key)?,
+        };
         if old.is_some() {
-            state.dirty.insert(Bytes::copy_from_slice(key), None);
+            state.write(Bytes::copy_from_slice(key), WriteTag::Untracked, None, 0);
         }
-        old
+        Ok(old)
     }
 
-    fn range(&self, from: Option<&[u8]>, to: Option<&[u8]>, limit: usize) -> Vec<(Bytes, Bytes)> {
+    fn range(
+        &self,
+        from: Option<&[u8]>,
+        to: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Vec<(Bytes, Bytes)>, StoreError> {
         if let (Some(f), Some(t)) = (from, to)
             && f > t
         {
-            return Vec::new();
+            return Ok(Vec::new());
         }
         let lower = from.map_or(Bound::Unbounded, Bound::Included);
         let upper = to.map_or(Bound::Unbounded, Bound::Included);
@@ -648,49 +876,52 @@ impl KeyValueStore for PersistentStore {
                     overlay.insert(k.clone(), v.clone());
                 }
             }
-            for (k, v) in state.dirty.range::<[u8], _>((lower, upper)) {
-                overlay.insert(k.clone(), v.clone());
+            for (k, versions) in state.dirty.range::<[u8], _>((lower, upper)) {
+                overlay.insert(k.clone(), versions.current().clone());
             }
         }
         drop(states);
         guarded(&self.path, || committed.merged_range(overlay, from, to, limit))
-            .unwrap_or_else(|e| panic!("{e}"))
     }
 
-    fn update(&self, key: &[u8], f: &mut dyn FnMut(Option<&Bytes>) -> Option<Bytes>) {
+    fn update(
+        &self,
+        key: &[u8],
+        f: &mut dyn FnMut(Option<&Bytes>) -> Option<Bytes>,
+    ) -> Result<(), StoreError> {
         let mut state = write(self.shard(key));
-        if let Some(slot) = state.dirty.get_mut(key) {
-            let value = f(slot.as_ref());
-            *slot = value;
-            return;
-        }
-        let old = self.lower(&state, key);
+        let old = match state.dirty.get(key) {
+            Some(versions) => versions.current().clone(),
+            None => self.lower(&state, key)?,
+        };
         let value = f(old.as_ref());
         if value.is_some() || old.is_some() {
-            state.dirty.insert(Bytes::copy_from_slice(key), value);
+            state.write(Bytes::copy_from_slice(key), WriteTag::Untracked, value, 0);
         }
+        Ok(())
     }
 
     /// Exact: the committed count corrected by every overlay key. Costs a redb lookup per
     /// uncommitted key, which is acceptable for a rarely used call.
-    fn len(&self) -> usize {
+    fn len(&self) -> Result<usize, StoreError> {
         let states: Vec<_> = self.shards.iter().map(|s| read(&s.0)).collect();
         let committed = read(&self.committed).clone();
-        let count = guarded(&self.path, || {
+        guarded(&self.path, || {
             let mut count = committed.data.len()? as i64;
             for state in &states {
                 let frozen = state.frozen.as_deref();
                 let frozen_only = frozen
                     .into_iter()
                     .flatten()
-                    .filter(|(k, _)| !state.dirty.contains_key(*k));
-                for (key, value) in state.dirty.iter().chain(frozen_only) {
-                    count += value.is_some() as i64 - committed.contains(key)? as i64;
+                    .filter(|(k, _)| !state.dirty.contains_key(*k))
+                    .map(|(k, v)| (k, v.is_some()));
+                let dirty = state.dirty.iter().map(|(k, v)| (k, v.current().is_some()));
+                for (key, present) in dirty.chain(frozen_only) {
+                    count += i64::from(present) - i64::from(committed.contains(key)?);
                 }
             }
             Ok(count.max(0) as usize)
-        });
-        count.unwrap_or_else(|e| panic!("{e}"))
+        })
     }
 }
 
@@ -780,15 +1011,17 @@ mod tests {
         entries.iter().map(|(k, _)| k.clone()).collect()
     }
 
+    fn checkpoint(watermark: u64) -> Checkpoint {
+        Checkpoint {
+            watermark,
+            retry_offset: watermark / 2,
+            ..Checkpoint::default()
+        }
+    }
+
     fn commit(store: &PersistentStore, watermark: u64) {
-        assert!(store.begin_commit());
-        store
-            .finish_commit(Checkpoint {
-                watermark,
-                retry_offset: watermark / 2,
-                ..Checkpoint::default()
-            })
-            .unwrap();
+        assert!(store.begin_commit(&checkpoint(watermark)).unwrap());
+        assert_eq!(store.finish_commit().unwrap(), Some(checkpoint(watermark)));
     }
 
     fn count(old: Option<&Bytes>) -> Option<Bytes> {
@@ -805,18 +1038,22 @@ mod tests {
         let dir = TempDir::new("uncommitted");
         let store = PersistentStore::open(&dir.file()).unwrap();
         assert_eq!(store.checkpoint(), None);
-        store.put(b("a"), b("1"));
-        store.update(b"b", &mut |old| {
-            assert_eq!(old, None);
-            Some(b("2"))
-        });
-        store.update(b"a", &mut |old| {
-            assert_eq!(old, Some(&b("1")));
-            Some(b("11"))
-        });
-        assert_eq!(store.get(b"a"), Some(b("11")));
-        assert_eq!(keys(&store.range(None, None, 0)), vec![b("a"), b("b")]);
-        assert_eq!(store.len(), 2);
+        store.put(b("a"), b("1")).unwrap();
+        store
+            .update(b"b", &mut |old| {
+                assert_eq!(old, None);
+                Some(b("2"))
+            })
+            .unwrap();
+        store
+            .update(b"a", &mut |old| {
+                assert_eq!(old, Some(&b("1")));
+                Some(b("11"))
+            })
+            .unwrap();
+        assert_eq!(store.get(b"a").unwrap(), Some(b("11")));
+        assert_eq!(keys(&store.range(None, None, 0).unwrap()), vec![b("a"), b("b")]);
+        assert_eq!(store.len().unwrap(), 2);
 
         let snapshot = store.snapshot().unwrap();
         assert_eq!(snapshot.get(b"a").unwrap(), None);
@@ -829,8 +1066,8 @@ mod tests {
     fn a_commit_makes_writes_and_checkpoint_visible_to_snapshots_and_durable() {
         let dir = TempDir::new("commit");
         let store = PersistentStore::open(&dir.file()).unwrap();
-        store.put(b("a"), b("1"));
-        store.put(b("b"), b("2"));
+        store.put(b("a"), b("1")).unwrap();
+        store.put(b("b"), b("2")).unwrap();
         let before = store.snapshot().unwrap();
         commit(&store, 10);
         let checkpoint = Checkpoint {
@@ -854,34 +1091,36 @@ mod tests {
 
         let store = PersistentStore::open(&dir.file()).unwrap();
         assert_eq!(store.checkpoint(), Some(checkpoint.clone()));
-        assert_eq!(store.get(b"b"), Some(b("2")));
-        assert_eq!(store.len(), 2);
+        assert_eq!(store.get(b"b").unwrap(), Some(b("2")));
+        assert_eq!(store.len().unwrap(), 2);
     }
 
     #[test]
     fn writes_after_begin_commit_are_not_part_of_that_commit() {
         let dir = TempDir::new("frozen");
         let store = PersistentStore::open(&dir.file()).unwrap();
-        store.put(b("k"), b("frozen"));
-        store.put(b("gone"), b("x"));
-        assert!(store.begin_commit());
-        store.put(b("k"), b("dirty"));
-        store.put(b("new"), b("dirty"));
-        store.delete(b"gone");
-        assert_eq!(store.get(b"k"), Some(b("dirty")));
-        store.update(b"k", &mut |old| {
-            assert_eq!(old, Some(&b("dirty")));
-            Some(b("dirty2"))
-        });
+        store.put(b("k"), b("frozen")).unwrap();
+        store.put(b("gone"), b("x")).unwrap();
         let checkpoint = Checkpoint {
             watermark: 7,
             retry_offset: 3,
             ..Checkpoint::default()
         };
-        store.finish_commit(checkpoint.clone()).unwrap();
+        assert!(store.begin_commit(&checkpoint).unwrap());
+        store.put(b("k"), b("dirty")).unwrap();
+        store.put(b("new"), b("dirty")).unwrap();
+        store.delete(b"gone").unwrap();
+        assert_eq!(store.get(b"k").unwrap(), Some(b("dirty")));
+        store
+            .update(b"k", &mut |old| {
+                assert_eq!(old, Some(&b("dirty")));
+                Some(b("dirty2"))
+            })
+            .unwrap();
+        store.finish_commit().unwrap();
         // The later writes are still visible to the store itself...
-        assert_eq!(store.get(b"k"), Some(b("dirty2")));
-        assert_eq!(store.get(b"gone"), None);
+        assert_eq!(store.get(b"k").unwrap(), Some(b("dirty2")));
+        assert_eq!(store.get(b"gone").unwrap(), None);
         // ...but only the frozen ones are committed.
         let snapshot = store.snapshot().unwrap();
         assert_eq!(snapshot.get(b"k").unwrap(), Some(b("frozen")));
@@ -892,7 +1131,7 @@ mod tests {
         let store = PersistentStore::open(&dir.file()).unwrap();
         assert_eq!(store.checkpoint(), Some(checkpoint.clone()));
         assert_eq!(
-            store.range(None, None, 0),
+            store.range(None, None, 0).unwrap(),
             vec![(b("gone"), b("x")), (b("k"), b("frozen"))]
         );
     }
@@ -902,22 +1141,22 @@ mod tests {
         let dir = TempDir::new("crash");
         let store = PersistentStore::open(&dir.file()).unwrap();
         for i in 0..100 {
-            store.update(format!("k{i:03}").as_bytes(), &mut count);
+            store.update(format!("k{i:03}").as_bytes(), &mut count).unwrap();
         }
         commit(&store, 100);
         for i in 0..200 {
-            store.update(format!("k{i:03}").as_bytes(), &mut count);
+            store.update(format!("k{i:03}").as_bytes(), &mut count).unwrap();
         }
         // Frozen but never finished: as lost as the dirty writes.
-        assert!(store.begin_commit());
-        store.delete(b"k000");
+        assert!(store.begin_commit(&checkpoint(300)).unwrap());
+        store.delete(b"k000").unwrap();
         drop(store);
 
         let store = PersistentStore::open(&dir.file()).unwrap();
         assert_eq!(store.checkpoint().unwrap().watermark, 100);
-        assert_eq!(store.len(), 100);
-        assert_eq!(as_count(store.get(b"k000")), 1);
-        assert_eq!(store.get(b"k150"), None);
+        assert_eq!(store.len().unwrap(), 100);
+        assert_eq!(as_count(store.get(b"k000").unwrap()), 1);
+        assert_eq!(store.get(b"k150").unwrap(), None);
     }
 
     #[test]
@@ -925,22 +1164,24 @@ mod tests {
         let dir = TempDir::new("tombstones");
         let store = PersistentStore::open(&dir.file()).unwrap();
         for key in ["a", "b", "c", "d"] {
-            store.put(b(key), b(key));
+            store.put(b(key), b(key)).unwrap();
         }
         commit(&store, 1);
-        assert_eq!(store.delete(b"a"), Some(b("a")));
-        assert_eq!(store.delete(b"a"), None);
-        store.update(b"b", &mut |old| {
-            assert_eq!(old, Some(&b("b")));
-            None
-        });
+        assert_eq!(store.delete(b"a").unwrap(), Some(b("a")));
+        assert_eq!(store.delete(b"a").unwrap(), None);
+        store
+            .update(b"b", &mut |old| {
+                assert_eq!(old, Some(&b("b")));
+                None
+            })
+            .unwrap();
         // Deleting and re-putting in one commit leaves the new value.
-        store.delete(b"c");
-        store.put(b("c"), b("c2"));
-        assert_eq!(store.get(b"a"), None);
-        assert_eq!(store.get(b"b"), None);
-        assert_eq!(store.len(), 2);
-        assert_eq!(keys(&store.range(None, None, 0)), vec![b("c"), b("d")]);
+        store.delete(b"c").unwrap();
+        store.put(b("c"), b("c2")).unwrap();
+        assert_eq!(store.get(b"a").unwrap(), None);
+        assert_eq!(store.get(b"b").unwrap(), None);
+        assert_eq!(store.len().unwrap(), 2);
+        assert_eq!(keys(&store.range(None, None, 0).unwrap()), vec![b("c"), b("d")]);
         commit(&store, 2);
         let snapshot = store.snapshot().unwrap();
         assert_eq!(snapshot.get(b"a").unwrap(), None);
@@ -951,8 +1192,8 @@ mod tests {
         assert_eq!(snapshot.len().unwrap(), 2);
         drop((snapshot, store));
         let store = PersistentStore::open(&dir.file()).unwrap();
-        assert_eq!(store.len(), 2);
-        assert_eq!(store.get(b"b"), None);
+        assert_eq!(store.len().unwrap(), 2);
+        assert_eq!(store.get(b"b").unwrap(), None);
     }
 
     #[test]
@@ -960,20 +1201,20 @@ mod tests {
         let dir = TempDir::new("range");
         let store = PersistentStore::open(&dir.file()).unwrap();
         for i in (0..30).step_by(3) {
-            store.put(format!("k{i:02}").into(), b("committed"));
+            store.put(format!("k{i:02}").into(), b("committed")).unwrap();
         }
         commit(&store, 1);
         // Frozen layer: new keys, an overwrite and a tombstone over committed keys.
-        store.put(b("k01"), b("frozen"));
-        store.put(b("k03"), b("frozen"));
-        store.delete(b"k06");
-        assert!(store.begin_commit());
+        store.put(b("k01"), b("frozen")).unwrap();
+        store.put(b("k03"), b("frozen")).unwrap();
+        store.delete(b"k06").unwrap();
+        assert!(store.begin_commit(&checkpoint(2)).unwrap());
         // Dirty layer: new keys, overrides of frozen and committed keys, tombstones.
-        store.put(b("k02"), b("dirty"));
-        store.put(b("k01"), b("dirty"));
-        store.delete(b"k09");
-        store.put(b("k06"), b("dirty"));
-        store.delete(b"k03");
+        store.put(b("k02"), b("dirty")).unwrap();
+        store.put(b("k01"), b("dirty")).unwrap();
+        store.delete(b"k09").unwrap();
+        store.put(b("k06"), b("dirty")).unwrap();
+        store.delete(b"k03").unwrap();
 
         let expected: Vec<(Bytes, Bytes)> = [
             ("k00", "committed"),
@@ -990,25 +1231,22 @@ mod tests {
         .iter()
         .map(|(k, v)| (b(k), b(v)))
         .collect();
-        assert_eq!(store.range(None, None, 0), expected);
-        assert_eq!(store.len(), expected.len());
-        assert_eq!(store.range(None, None, 4), expected[..4]);
-        assert_eq!(store.range(Some(b"k01"), Some(b"k12"), 0), expected[1..5]);
-        assert_eq!(store.range(Some(b"k03"), None, 2), expected[3..5]);
-        assert_eq!(store.range(None, Some(b"k05"), 0), expected[..3]);
-        assert!(store.range(Some(b"z"), Some(b"a"), 0).is_empty());
+        assert_eq!(store.range(None, None, 0).unwrap(), expected);
+        assert_eq!(store.len().unwrap(), expected.len());
+        assert_eq!(store.range(None, None, 4).unwrap(), expected[..4]);
+        assert_eq!(
+            store.range(Some(b"k01"), Some(b"k12"), 0).unwrap(),
+            expected[1..5]
+        );
+        assert_eq!(store.range(Some(b"k03"), None, 2).unwrap(), expected[3..5]);
+        assert_eq!(store.range(None, Some(b"k05"), 0).unwrap(), expected[..3]);
+        assert!(store.range(Some(b"z"), Some(b"a"), 0).unwrap().is_empty());
 
         // Same answer once the frozen layer is committed, and after the dirty one is too.
-        store
-            .finish_commit(Checkpoint {
-                watermark: 2,
-                retry_offset: 0,
-                ..Checkpoint::default()
-            })
-            .unwrap();
-        assert_eq!(store.range(None, None, 0), expected);
+        store.finish_commit().unwrap();
+        assert_eq!(store.range(None, None, 0).unwrap(), expected);
         commit(&store, 3);
-        assert_eq!(store.range(None, None, 0), expected);
+        assert_eq!(store.range(None, None, 0).unwrap(), expected);
         assert_eq!(store.snapshot().unwrap().range(None, None, 0).unwrap(), expected);
         assert_eq!(
             store.snapshot().unwrap().range(Some(b"k02"), None, 3).unwrap(),
@@ -1020,45 +1258,91 @@ mod tests {
     fn begin_commit_refuses_while_a_frozen_layer_is_pending() {
         let dir = TempDir::new("pending");
         let store = PersistentStore::open(&dir.file()).unwrap();
-        store.put(b("a"), b("1"));
-        assert!(store.begin_commit());
-        store.put(b("b"), b("2"));
-        assert!(!store.begin_commit());
-        assert!(!store.begin_commit());
-        store.finish_commit(Checkpoint::default()).unwrap();
+        store.put(b("a"), b("1")).unwrap();
+        assert!(store.begin_commit(&checkpoint(0)).unwrap());
+        store.put(b("b"), b("2")).unwrap();
+        assert!(!store.begin_commit(&checkpoint(1)).unwrap());
+        assert!(!store.begin_commit(&checkpoint(1)).unwrap());
+        assert_eq!(store.finish_commit().unwrap(), Some(checkpoint(0)));
+        assert_eq!(store.finish_commit().unwrap(), None, "nothing left to write");
         // The refused calls froze nothing: "b" waits for the next commit.
         let snapshot = store.snapshot().unwrap();
         assert_eq!(snapshot.get(b"b").unwrap(), None);
-        assert_eq!(snapshot.checkpoint(), Some(Checkpoint::default()));
-        assert!(store.begin_commit());
-        store
-            .finish_commit(Checkpoint {
-                watermark: 1,
-                retry_offset: 0,
-                ..Checkpoint::default()
-            })
-            .unwrap();
+        assert_eq!(snapshot.checkpoint(), Some(checkpoint(0)));
+        commit(&store, 1);
         assert_eq!(store.snapshot().unwrap().get(b"b").unwrap(), Some(b("2")));
     }
 
+    /// Tagged writes: a commit takes exactly those of the records its checkpoint covers, per
+    /// key the value as of the last covered one, and keeps the rest for the next commit.
     #[test]
-    fn finish_commit_without_a_frozen_layer_writes_the_checkpoint() {
-        let dir = TempDir::new("checkpoint-only");
+    fn a_commit_takes_exactly_the_writes_its_checkpoint_covers() {
+        let dir = TempDir::new("tagged");
         let store = PersistentStore::open(&dir.file()).unwrap();
-        store.put(b("a"), b("1"));
-        let checkpoint = Checkpoint {
-            watermark: 42,
-            retry_offset: 9,
-            ..Checkpoint::default()
+        let put = |key: &str, value: &str, tag: WriteTag| store.apply(tag, [(b(key), Some(b(value)))], 0);
+        put("a", "a@1", WriteTag::Source(1));
+        put("b", "b@2", WriteTag::Source(2));
+        put("a", "a@5", WriteTag::Source(5));
+        put("c", "c@r7", WriteTag::Retry(7));
+        put("c", "c@6", WriteTag::Source(6));
+        store.apply(WriteTag::Source(3), [(b("b"), None)], 0);
+        assert_eq!(store.get(b"a").unwrap(), Some(b("a@5")), "reads see the newest");
+        // Watermark 4, retry entry 7 final above the retry watermark 0.
+        let covered = Checkpoint {
+            watermark: 4,
+            retry_offset: 0,
+            retry_done: vec![7],
         };
-        store.finish_commit(checkpoint.clone()).unwrap();
-        assert_eq!(store.checkpoint(), Some(checkpoint.clone()));
-        assert_eq!(store.snapshot().unwrap().get(b"a").unwrap(), None);
-        assert_eq!(store.get(b"a"), Some(b("1")));
-        drop(store);
+        assert!(store.begin_commit(&covered).unwrap());
+        store.finish_commit().unwrap();
+        let snapshot = store.snapshot().unwrap();
+        assert_eq!(snapshot.get(b"a").unwrap(), Some(b("a@1")));
+        assert_eq!(snapshot.get(b"b").unwrap(), None, "deleted at 3");
+        assert_eq!(snapshot.get(b"c").unwrap(), Some(b("c@r7")));
+        assert_eq!(store.get(b"a").unwrap(), Some(b("a@5")));
+        assert_eq!(store.get(b"c").unwrap(), Some(b("c@6")));
+        commit(&store, 10);
+        let snapshot = store.snapshot().unwrap();
+        assert_eq!(snapshot.get(b"a").unwrap(), Some(b("a@5")));
+        assert_eq!(snapshot.get(b"c").unwrap(), Some(b("c@6")));
+    }
+
+    #[test]
+    fn a_key_written_out_of_offset_order_refuses_to_freeze_and_changes_nothing() {
+        let dir = TempDir::new("interleaved");
         let store = PersistentStore::open(&dir.file()).unwrap();
-        assert_eq!(store.checkpoint(), Some(checkpoint.clone()));
-        assert_eq!(store.get(b"a"), None);
+        store.apply(WriteTag::Source(9), [(b("k"), Some(b("late")))], 0);
+        store.apply(WriteTag::Source(2), [(b("k"), Some(b("early")))], 0);
+        store.apply(WriteTag::Source(1), [(b("j"), Some(b("j")))], 0);
+        assert_eq!(store.begin_commit(&checkpoint(5)), Err(FreezeError));
+        assert_eq!(store.get(b"j").unwrap(), Some(b("j")));
+        // Once everything is covered, it freezes.
+        commit(&store, 10);
+        assert_eq!(store.snapshot().unwrap().get(b"k").unwrap(), Some(b("early")));
+    }
+
+    #[test]
+    fn settled_versions_are_dropped_so_a_hot_key_keeps_only_what_a_commit_may_need() {
+        let dir = TempDir::new("settled");
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        for offset in 0..1_000u64 {
+            // Every offset below `offset - 10` is below every later checkpoint.
+            let settled = offset.saturating_sub(10);
+            store.apply(
+                WriteTag::Source(offset),
+                [(b("hot"), Some(Bytes::from(offset.to_string())))],
+                settled,
+            );
+        }
+        let versions = match read(store.shard(b"hot")).dirty.get(&b("hot")[..]) {
+            Some(Versions::Chain(chain)) => chain.len(),
+            Some(Versions::One(..)) => 1,
+            None => 0,
+        };
+        assert!(versions <= 12, "{versions} versions kept");
+        assert!(store.begin_commit(&checkpoint(995)).unwrap());
+        store.finish_commit().unwrap();
+        assert_eq!(store.snapshot().unwrap().get(b"hot").unwrap(), Some(b("994")));
     }
 
     #[test]
@@ -1066,31 +1350,23 @@ mod tests {
         let dir = TempDir::new("concurrent");
         let store = Arc::new(PersistentStore::open(&dir.file()).unwrap());
         for _ in 0..500 {
-            store.update(b"hot", &mut count);
+            store.update(b"hot", &mut count).unwrap();
         }
         commit(&store, 1);
         for _ in 0..500 {
-            store.update(b"hot", &mut count);
+            store.update(b"hot", &mut count).unwrap();
         }
-        assert!(store.begin_commit());
+        assert!(store.begin_commit(&checkpoint(2)).unwrap());
         let finisher = {
             let store = store.clone();
-            std::thread::spawn(move || {
-                store
-                    .finish_commit(Checkpoint {
-                        watermark: 2,
-                        retry_offset: 0,
-                        ..Checkpoint::default()
-                    })
-                    .unwrap()
-            })
+            std::thread::spawn(move || store.finish_commit().unwrap())
         };
         let threads: Vec<_> = (0..4)
             .map(|_| {
                 let store = store.clone();
                 std::thread::spawn(move || {
                     for _ in 0..10_000 {
-                        store.update(b"hot", &mut count);
+                        store.update(b"hot", &mut count).unwrap();
                     }
                 })
             })
@@ -1099,7 +1375,7 @@ mod tests {
             t.join().unwrap();
         }
         finisher.join().unwrap();
-        assert_eq!(as_count(store.get(b"hot")), 41_000);
+        assert_eq!(as_count(store.get(b"hot").unwrap()), 41_000);
         assert_eq!(as_count(store.snapshot().unwrap().get(b"hot").unwrap()), 1_000);
         commit(&store, 3);
         assert_eq!(as_count(store.snapshot().unwrap().get(b"hot").unwrap()), 41_000);
@@ -1125,7 +1401,9 @@ mod tests {
         let dir = TempDir::new("damaged");
         let store = PersistentStore::open(&dir.file()).unwrap();
         for i in 0..5000 {
-            store.put(format!("k{i}").into(), Bytes::from(vec![7u8; 100]));
+            store
+                .put(format!("k{i}").into(), Bytes::from(vec![7u8; 100]))
+                .unwrap();
         }
         commit(&store, 1);
         drop(store);
@@ -1157,7 +1435,7 @@ mod tests {
         assert_eq!(facts.log_id.as_deref(), Some(LOG_ID));
         assert_eq!(facts.checkpoint, None);
         let store = PersistentStore::open(&file).unwrap();
-        store.put(b("k"), b("v"));
+        store.put(b("k"), b("v")).unwrap();
         commit(&store, 7);
         drop(store);
         let before = std::fs::read(&file).unwrap();
@@ -1207,7 +1485,7 @@ mod tests {
         PersistentStore::create(&file, LOG_ID).unwrap();
         let store = PersistentStore::open(&file).unwrap();
         for i in 0..5000 {
-            store.put(format!("k{i}").into(), Bytes::from(vec![7u8; 100]));
+            store.put(format!("k{i}").into(), Bytes::from(vec![7u8; 100])).unwrap();
         }
         commit(&store, 1);
         drop(store);
@@ -1236,39 +1514,39 @@ mod tests {
         let open = crate::fault_injection::opener(&file, &full);
         let db = open().unwrap();
         let store = PersistentStore::start(&file, db, Box::new(open)).unwrap();
-        store.put(b("before"), b("1"));
+        store.put(b("before"), b("1")).unwrap();
         commit(&store, 1);
 
         full.store(true, AtomicOrdering::Release);
         // Enough new data that the file must grow.
         for i in 0..20_000 {
-            store.put(format!("k{i:05}").into(), Bytes::from(vec![7u8; 200]));
+            store.put(format!("k{i:05}").into(), Bytes::from(vec![7u8; 200])).unwrap();
         }
-        assert!(store.begin_commit());
         let checkpoint = Checkpoint {
             watermark: 2,
             retry_offset: 1,
             ..Checkpoint::default()
         };
-        let err = store.finish_commit(checkpoint.clone()).unwrap_err();
+        assert!(store.begin_commit(&checkpoint).unwrap());
+        let err = store.finish_commit().unwrap_err();
         assert!(err.message.contains("No space left on device"), "{err}");
         // The store answers meanwhile: its frozen writes and, below them, the last commit.
-        assert_eq!(store.get(b"k00042"), Some(Bytes::from(vec![7u8; 200])));
-        assert_eq!(store.get(b"before"), Some(b("1")));
+        assert_eq!(store.get(b"k00042").unwrap(), Some(Bytes::from(vec![7u8; 200])));
+        assert_eq!(store.get(b"before").unwrap(), Some(b("1")));
         let snapshot = store.snapshot().unwrap();
         assert_eq!(snapshot.checkpoint().map(|c| c.watermark), Some(1));
         assert_eq!(snapshot.get(b"before").unwrap(), Some(b("1")));
-        assert!(!store.begin_commit(), "the failed commit is still pending");
+        assert!(!store.begin_commit(&checkpoint).unwrap(), "the failed commit is still pending");
         // Still full: the retry fails the same way, not with redb's "previous I/O error".
-        let err = store.finish_commit(checkpoint.clone()).unwrap_err();
+        let err = store.finish_commit().unwrap_err();
         assert!(err.message.contains("No space left on device"), "{err}");
 
         full.store(false, AtomicOrdering::Release);
-        store.finish_commit(checkpoint).unwrap();
+        assert_eq!(store.finish_commit().unwrap(), Some(checkpoint.clone()));
         let snapshot = store.snapshot().unwrap();
         assert_eq!(snapshot.checkpoint().map(|c| c.watermark), Some(2));
         assert_eq!(snapshot.len().unwrap(), 20_001);
-        assert!(store.begin_commit(), "nothing pending any more");
+        assert!(store.begin_commit(&checkpoint).unwrap(), "nothing pending any more");
         drop(snapshot);
         drop(store);
         let reopened = PersistentStore::open(&file).unwrap();
@@ -1293,18 +1571,19 @@ mod tests {
             let commits = AtomicU64::new(0);
             let slowest_commit_us = Arc::new(AtomicU64::new(0));
             let rate = run(store.clone(), threads, &keys, SECONDS, |store| {
-                if store.begin_commit() {
+                let n = commits.load(AtomicOrdering::Relaxed) + 1;
+                if store
+                    .begin_commit(&Checkpoint {
+                        watermark: n,
+                        ..Checkpoint::default()
+                    })
+                    .unwrap()
+                {
                     let (store, slowest) = (store.clone(), slowest_commit_us.clone());
-                    let n = commits.fetch_add(1, AtomicOrdering::Relaxed) + 1;
+                    commits.fetch_add(1, AtomicOrdering::Relaxed);
                     std::thread::spawn(move || {
                         let start = Instant::now();
-                        store
-                            .finish_commit(Checkpoint {
-                                watermark: n,
-                                retry_offset: 0,
-                                ..Checkpoint::default()
-                            })
-                            .unwrap();
+                        store.finish_commit().unwrap();
                         let us = start.elapsed().as_micros() as u64;
                         slowest.fetch_max(us, AtomicOrdering::Relaxed);
                     });
@@ -1339,7 +1618,7 @@ mod tests {
                             let _running = gate.read().unwrap();
                             for _ in 0..1000 {
                                 i = (i + 1) % keys.len();
-                                store.update(&keys[i], &mut count);
+                                store.update(&keys[i], &mut count).unwrap();
                             }
                             done += 1000;
                         }

@@ -1,9 +1,11 @@
-//! Subscriptions to record outcomes: a consistent replay of retained history
-//! followed by live batches, filtered to the requested partitions and offset
-//! range, with lag reported in-band and bounded ranges completing by themselves.
+//! Subscriptions to record outcomes: each pipeline's feed (a bounded
+//! broadcast the scheduler publishes to), and a subscriber's view of it — a
+//! consistent replay of retained history followed by live batches, filtered
+//! to the requested partitions and offset range, with lag reported in-band
+//! and bounded ranges completing by themselves.
 
-use super::OutcomeBatch;
-use crate::runtime::RuntimeError;
+use super::RuntimeError;
+use crate::metadata::OutcomeBatch;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,6 +54,54 @@ pub enum SubscriptionEvent {
     },
 }
 
+/// Retained outcome batches of one task, oldest first, bounded by record count.
+pub(crate) struct History {
+    batches: VecDeque<Arc<OutcomeBatch>>,
+    records: usize,
+    limit: usize,
+    /// Every completed record at or above this offset is still retained.
+    floor: u64,
+}
+
+impl History {
+    pub(crate) fn new(limit: usize, floor: u64) -> History {
+        History {
+            batches: VecDeque::new(),
+            records: 0,
+            limit,
+            floor,
+        }
+    }
+
+    pub(crate) fn push(&mut self, batch: Arc<OutcomeBatch>) {
+        self.records += batch.records.len();
+        self.batches.push_back(batch);
+        while self.records > self.limit {
+            let Some(evicted) = self.batches.pop_front() else {
+                break;
+            };
+            self.records -= evicted.records.len();
+            self.floor = self.floor.max(evicted.last_offset + 1);
+        }
+    }
+
+    pub(crate) fn floor(&self) -> u64 {
+        self.floor
+    }
+
+    pub(crate) fn batches(&self) -> impl Iterator<Item = &Arc<OutcomeBatch>> {
+        self.batches.iter()
+    }
+}
+
+/// What a pipeline's feed carries.
+#[derive(Debug, Clone)]
+pub(crate) enum FeedEvent {
+    Batch(Arc<OutcomeBatch>),
+    /// The partition's task left this instance: its outcomes continue elsewhere.
+    Removed(u32),
+}
+
 /// The offsets `[start, end)` streamed from one partition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct PartitionRange {
@@ -72,7 +122,7 @@ type WatermarkProbe = Box<dyn Fn(u32) -> Option<u64> + Send + Sync>;
 pub struct OutcomeSubscription {
     tracked: Vec<Tracked>,
     replay: VecDeque<Arc<OutcomeBatch>>,
-    receiver: broadcast::Receiver<Arc<OutcomeBatch>>,
+    receiver: broadcast::Receiver<FeedEvent>,
     bounded: bool,
     /// After a lag, counts can no longer reach zero: completion falls back to watermarks.
     lagged: bool,
@@ -84,7 +134,7 @@ impl OutcomeSubscription {
     pub(crate) fn new(
         ranges: Vec<PartitionRange>,
         history: Vec<Arc<OutcomeBatch>>,
-        receiver: broadcast::Receiver<Arc<OutcomeBatch>>,
+        receiver: broadcast::Receiver<FeedEvent>,
         watermark_of: WatermarkProbe,
     ) -> Self {
         let bounded = !ranges.is_empty() && ranges.iter().all(|r| r.end.is_some());
@@ -139,10 +189,22 @@ impl OutcomeSubscription {
                 self.receiver.recv().await
             };
             match received {
-                Ok(batch) => {
+                Ok(FeedEvent::Batch(batch)) => {
                     if let Some(batch) = self.filter(batch) {
                         self.account(&batch);
                         return Some(Ok(SubscriptionEvent::Batch(batch)));
+                    }
+                }
+                Ok(FeedEvent::Removed(partition)) => {
+                    if self.tracked.iter().any(|t| t.range.partition == partition) {
+                        self.finished = true;
+                        return Some(Err(RuntimeError::Unavailable {
+                            reason: format!(
+                                "partition {partition} moved away from this instance; \
+                                 ask the instances that metadata lists now"
+                            ),
+                            retry_after: Duration::from_millis(500),
+                        }));
                     }
                 }
                 Err(broadcast::error::RecvError::Lagged(missed)) => {

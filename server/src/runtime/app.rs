@@ -1,0 +1,675 @@
+//! `StreamsApp`, the library API of the runtime: produce and read topics,
+//! metadata, key and range queries, outcome subscriptions, stream threads
+//! added and removed (KIP-663), tasks added and removed while running (what
+//! a consumer group's assignment and revocation need), and shutdown.
+//! Longer than most files here: it is the API's one `impl`, each method a
+//! short translation into scheduler calls.
+
+use super::builder::AppBuilder;
+use super::shared::Shared;
+use super::subscription::{EndAt, OutcomeSubscription, PartitionRange, StartAt, SubscribeRequest};
+use super::{RuntimeError, commit, describe, driver, recovery};
+use crate::config::{Config, ProcessingOrder};
+use crate::log::{Log, ProducerRecord, RecordPosition, partition_for_key};
+use crate::metadata::{
+    AppState, HostInfo, KeyMetadata, OutcomeBatch, PartitionQueryResult, RuntimeDescription, StoreMetadata,
+    TopicRead,
+};
+use bytes::Bytes;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub(crate) struct AppInner {
+    pub(crate) shared: Arc<Shared>,
+}
+
+impl Drop for AppInner {
+    /// The last handle gone stops the threads (drain and commit first).
+    fn drop(&mut self) {
+        if let Err(e) = shutdown(&self.shared) {
+            tracing::error!(error = %e, "shutdown when the last handle was dropped");
+        }
+    }
+}
+
+/// A running application: cheap to clone; the last clone dropped shuts it down.
+#[derive(Clone)]
+pub struct StreamsApp {
+    pub(crate) inner: Arc<AppInner>,
+}
+
+/// How long a waiting caller sleeps at most before it looks again (a
+/// completion normally wakes it first).
+const POLL: Duration = Duration::from_millis(50);
+
+impl StreamsApp {
+    /// Starts `config` on the embedded log.
+    pub fn start(config: Config) -> Result<StreamsApp, RuntimeError> {
+        AppBuilder::new(config).start()
+    }
+
+    pub fn builder(config: Config) -> AppBuilder {
+        AppBuilder::new(config)
+    }
+
+    fn shared(&self) -> &Arc<Shared> {
+        &self.inner.shared
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.shared().config
+    }
+
+    pub fn state(&self) -> AppState {
+        self.shared().app_state()
+    }
+
+    pub fn host_info(&self) -> HostInfo {
+        self.shared().host_info.clone()
+    }
+
+    pub fn log(&self) -> Arc<dyn Log> {
+        self.shared().log.clone()
+    }
+
+    /// Appends records to a topic of the log.
+    pub fn produce(
+        &self,
+        topic: &str,
+        records: Vec<ProducerRecord>,
+    ) -> Result<Vec<RecordPosition>, RuntimeError> {
+        let shared = self.shared();
+        shared.ensure_running()?;
+        if topic.is_empty() {
+            return Err(RuntimeError::invalid_argument("topic", "must not be empty"));
+        }
+        Ok(shared.log.append(topic, records)?)
+    }
+
+    /// Up to `max` records of one partition of any topic of the log (a source,
+    /// retry or dead-letter topic) from `offset` on, with the partition's start
+    /// and end offsets. An offset below the oldest retained is `OffsetOutOfRange`;
+    /// one at or after the end reads nothing.
+    pub fn read_topic(
+        &self,
+        topic: &str,
+        partition: u32,
+        offset: u64,
+        max: usize,
+    ) -> Result<TopicRead, RuntimeError> {
+        let shared = self.shared();
+        shared.ensure_running()?;
+        if topic.is_empty() {
+            return Err(RuntimeError::invalid_argument("topic", "must not be empty"));
+        }
+        let mut records = Vec::new();
+        shared.log.read(topic, partition, offset, max, &mut records)?;
+        // Asked after the read, so the end is past every record returned even
+        // while producers append, and the start is what is retained now.
+        Ok(TopicRead {
+            records,
+            start_offset: shared.log.start_offset(topic, partition)?,
+            end_offset: shared.log.end_offset(topic, partition)?,
+            partitions: shared.log.partitions(topic)?,
+        })
+    }
+
+    /// StreamsMetadata of the instances hosting `store`. `in_order` is refused
+    /// (`OrderNotGuaranteed`) when the store's tasks run `key` or `unordered` with T > 1.
+    pub fn process_metadata_for_store(
+        &self,
+        store: &str,
+        in_order: bool,
+    ) -> Result<StoreMetadata, RuntimeError> {
+        let shared = self.shared();
+        shared.ensure_running()?;
+        let p = shared.pipeline_index(store)?;
+        check_in_order(shared, p, in_order)?;
+        let pipeline = &shared.pipelines[p];
+        let scheduler = shared.lock();
+        Ok(StoreMetadata {
+            instances: vec![describe::streams_metadata(shared, &scheduler, &[p])],
+            processing_order: pipeline.order,
+            threads_per_task: pipeline.threads_per_task as u32,
+            in_order: pipeline.order == ProcessingOrder::Offset,
+        })
+    }
+
+    /// The partition of `key` and the hosts serving it.
+    pub fn metadata_for_key(&self, store: &str, key: &[u8]) -> Result<KeyMetadata, RuntimeError> {
+        let shared = self.shared();
+        shared.ensure_running()?;
+        let p = shared.pipeline_index(store)?;
+        let pipeline = &shared.pipelines[p];
+        let partition = key_partition(shared, p, key)?;
+        if shared.lock().task_index(p, partition).is_none() {
+            return Err(not_hosted(shared, p, partition));
+        }
+        Ok(KeyMetadata {
+            store: store.to_string(),
+            topic: pipeline.topic.to_string(),
+            partition,
+            task_id: format!("{}_{}", pipeline.name, partition),
+            active_host: shared.host_info.clone(),
+            standby_hosts: Vec::new(),
+        })
+    }
+
+    /// The value of `key` in `store`.
+    pub fn get(&self, store: &str, key: &[u8]) -> Result<Option<Bytes>, RuntimeError> {
+        Ok(self
+            .query_key(store, key)?
+            .entries
+            .into_iter()
+            .next()
+            .map(|(_, v)| v))
+    }
+
+    /// A key query, answered by the key's partition with its position.
+    pub fn query_key(&self, store: &str, key: &[u8]) -> Result<PartitionQueryResult, RuntimeError> {
+        let shared = self.shared();
+        shared.ensure_running()?;
+        let p = shared.pipeline_index(store)?;
+        let partition = key_partition(shared, p, key)?;
+        read_partition(shared, p, partition, Some(key), Some(key), 1)
+    }
+
+    /// A range query (`from..=to`, open where absent) over `partitions` (empty = all hosted here).
+    pub fn query_range(
+        &self,
+        store: &str,
+        from: Option<&[u8]>,
+        to: Option<&[u8]>,
+        partitions: &[u32],
+        limit: usize,
+    ) -> Result<Vec<PartitionQueryResult>, RuntimeError> {
+        let shared = self.shared();
+        shared.ensure_running()?;
+        let p = shared.pipeline_index(store)?;
+        if let (Some(f), Some(t)) = (from, to)
+            && f > t
+        {
+            return Err(RuntimeError::invalid_argument(
+                "range",
+                "`from` is greater than `to`",
+            ));
+        }
+        hosted_partitions(shared, p, partitions)?
+            .into_iter()
+            .map(|partition| read_partition(shared, p, partition, from, to, limit))
+            .collect()
+    }
+
+    /// Subscribes to the record outcomes of `store`: retained history from the
+    /// start position, then live batches, up to the end position.
+    pub fn subscribe(
+        &self,
+        store: &str,
+        request: SubscribeRequest,
+    ) -> Result<OutcomeSubscription, RuntimeError> {
+        let shared = self.shared();
+        shared.ensure_running()?;
+        let p = shared.pipeline_index(store)?;
+        check_in_order(shared, p, request.in_order)?;
+        let pipeline = &shared.pipelines[p];
+        let mut partitions = hosted_partitions(shared, p, &request.partitions)?;
+        let start_offsets = match &request.start {
+            StartAt::Offsets(offsets) => Some(offsets),
+            _ => None,
+        };
+        let end_offsets = match &request.end {
+            EndAt::Offsets(offsets) => Some(offsets),
+            _ => None,
+        };
+        for offsets in [start_offsets, end_offsets].into_iter().flatten() {
+            hosted_partitions(shared, p, &offsets.keys().copied().collect::<Vec<_>>())?;
+            partitions.retain(|p| offsets.contains_key(p));
+        }
+        // Outcomes exist only for what the log still retains.
+        let log_starts: Vec<u64> = partitions
+            .iter()
+            .map(|&p| shared.log.start_offset(&pipeline.topic, p))
+            .collect::<Result<_, _>>()?;
+        let scheduler = shared.lock();
+        let mut ranges = Vec::new();
+        let mut history: Vec<Arc<OutcomeBatch>> = Vec::new();
+        for (&partition, &log_start) in partitions.iter().zip(&log_starts) {
+            let task = scheduler
+                .task_index(p, partition)
+                .and_then(|t| scheduler.task(t))
+                .ok_or_else(|| not_hosted(shared, p, partition))?;
+            let floor = task.history().floor().max(log_start);
+            let start = match &request.start {
+                StartAt::Latest => task.watermark(),
+                StartAt::Earliest => floor,
+                StartAt::Offsets(offsets) => {
+                    let start = offsets[&partition];
+                    if start < floor {
+                        return Err(RuntimeError::OffsetOutOfRange {
+                            partition,
+                            requested: start,
+                            earliest: floor,
+                        });
+                    }
+                    start
+                }
+            };
+            let end = match &request.end {
+                EndAt::Open => None,
+                EndAt::Current => Some(shared.log.end_offset(&pipeline.topic, partition)?.max(start)),
+                EndAt::Offsets(offsets) => {
+                    let end = offsets[&partition];
+                    if end < start {
+                        return Err(RuntimeError::invalid_argument(
+                            "end_offsets",
+                            format!("end {end} of partition {partition} is before its start {start}"),
+                        ));
+                    }
+                    Some(end)
+                }
+            };
+            ranges.push(PartitionRange {
+                partition,
+                start,
+                end,
+            });
+            history.extend(task.history().batches().cloned());
+        }
+        let receiver = scheduler
+            .feed(p)
+            .ok_or_else(RuntimeError::shutting_down)?
+            .subscribe();
+        drop(scheduler);
+        let weak = Arc::downgrade(self.shared());
+        // Below this, every record has its final outcome (retries included).
+        let watermark_of = move |partition: u32| -> Option<u64> {
+            let shared = weak.upgrade()?;
+            let scheduler = shared.lock();
+            let task = scheduler.task(scheduler.task_index(p, partition)?)?;
+            Some(task.final_watermark())
+        };
+        Ok(OutcomeSubscription::new(
+            ranges,
+            history,
+            receiver,
+            Box::new(watermark_of),
+        ))
+    }
+
+    /// Threads, pipelines and tasks as they are at this instant.
+    pub fn describe(&self) -> RuntimeDescription {
+        let shared = self.shared();
+        describe::describe(shared, &shared.lock())
+    }
+
+    /// The partitions of `store`'s pipeline this instance holds tasks for.
+    pub fn hosted_partitions(&self, store: &str) -> Result<Vec<u32>, RuntimeError> {
+        let shared = self.shared();
+        let p = shared.pipeline_index(store)?;
+        hosted_partitions(shared, p, &[])
+    }
+
+    /// Adds tasks for `partitions` of `store`'s pipeline while running: each
+    /// restores its store as at start (meanwhile its queries answer
+    /// UNAVAILABLE) and begins at its committed offset — or at `start[p]`,
+    /// for a task without a checkpoint of its own (a persistent store that
+    /// has committed resumes at its checkpoint, which its data is as of).
+    pub fn add_tasks(
+        &self,
+        store: &str,
+        partitions: &[u32],
+        start: &BTreeMap<u32, u64>,
+    ) -> Result<(), RuntimeError> {
+        let shared = self.shared();
+        let _membership = shared.membership.lock().unwrap_or_else(|e| e.into_inner());
+        check_live(shared)?;
+        let p = shared.pipeline_index(store)?;
+        check_partitions(shared, p, partitions)?;
+        for &partition in partitions {
+            if shared.lock().task_index(p, partition).is_some() {
+                return Err(RuntimeError::invalid_argument(
+                    "partitions",
+                    format!("partition {partition} of `{store}` is hosted here already"),
+                ));
+            }
+        }
+        for &partition in partitions {
+            let init = recovery::plan(shared, p, partition, start.get(&partition).copied())?;
+            let mut scheduler = shared.lock();
+            scheduler.add_task(init);
+            shared.wake.notify_all();
+        }
+        Ok(())
+    }
+
+    /// Removes the tasks of `partitions` of `store`'s pipeline while running:
+    /// no new work starts for them, units in flight complete, what remains
+    /// is released, each watermark is committed (a persistent store freezes
+    /// and writes its state with it), the stores are closed. Blocks until
+    /// done; answers `CommitFailed` naming the tasks whose last commit failed.
+    pub fn remove_tasks(&self, store: &str, partitions: &[u32]) -> Result<(), RuntimeError> {
+        let shared = self.shared();
+        let _membership = shared.membership.lock().unwrap_or_else(|e| e.into_inner());
+        let p = shared.pipeline_index(store)?;
+        let mut removing = Vec::new();
+        {
+            let mut scheduler = shared.lock();
+            for &partition in partitions {
+                let index = scheduler
+                    .task_index(p, partition)
+                    .ok_or_else(|| not_hosted(shared, p, partition))?;
+                if !removing.contains(&index) {
+                    removing.push(index);
+                }
+            }
+            for &index in &removing {
+                scheduler.begin_removal(index);
+            }
+        }
+        let mut failures = Vec::new();
+        let mut scheduler = shared.lock();
+        while !removing.is_empty() {
+            let mut detached = Vec::new();
+            removing.retain(|&index| match scheduler.detach_if_idle(index) {
+                Some(task) => {
+                    detached.push((index, task));
+                    false
+                }
+                None => true,
+            });
+            if !detached.is_empty() {
+                drop(scheduler);
+                for (index, task) in detached {
+                    let item = super::scheduler::CommitItem::of(index, &task);
+                    if let Err(e) = commit::final_commit(shared, &item) {
+                        failures.push(format!("{}: {e}", task.id()));
+                    }
+                    // Dropping the task closes its store once nothing else holds it.
+                    let mut closing = shared.closing.lock().unwrap_or_else(|e| e.into_inner());
+                    closing.retain(|(_, store)| store.strong_count() > 0);
+                    closing.push((task.id().clone(), Arc::downgrade(task.store())));
+                }
+                scheduler = shared.lock();
+                continue;
+            }
+            scheduler.begin_wait();
+            let (guard, _) = shared
+                .wake
+                .wait_timeout(scheduler, POLL)
+                .unwrap_or_else(|e| e.into_inner());
+            scheduler = guard;
+            scheduler.end_wait();
+        }
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            Err(RuntimeError::CommitFailed(failures))
+        }
+    }
+
+    /// Starts one more stream thread and moves its share of tasks onto it.
+    pub fn add_stream_thread(&self) -> Result<String, RuntimeError> {
+        let shared = self.shared();
+        shared.ensure_running()?;
+        let (slot, name) = {
+            let mut scheduler = shared.lock();
+            let slot = scheduler.add_thread();
+            (slot, scheduler.threads()[slot].name().clone())
+        };
+        driver::spawn(shared, slot, &name);
+        shared.wake.notify_all();
+        Ok(name.to_string())
+    }
+
+    /// Stops a stream thread (the named one, or the newest) after its unit in
+    /// hand; its tasks move to the others. Refused if fewer than T would remain.
+    pub fn remove_stream_thread(&self, name: Option<&str>) -> Result<String, RuntimeError> {
+        let shared = self.shared();
+        shared.ensure_running()?;
+        let mut scheduler = shared.lock();
+        let live = scheduler.live_threads();
+        let max_t = shared
+            .pipelines
+            .iter()
+            .map(|p| p.threads_per_task)
+            .max()
+            .unwrap_or(1);
+        if live <= max_t {
+            return Err(RuntimeError::InvalidArgument {
+                field: "num_stream_threads".to_string(),
+                message: format!(
+                    "removing a stream thread would leave {} threads, fewer than num_threads_per_task ({max_t}); \
+                     add a thread first or run with fewer threads per task",
+                    live - 1
+                ),
+            });
+        }
+        let victim = match name {
+            Some(name) if !name.is_empty() => scheduler.live_thread(name).ok_or_else(|| {
+                RuntimeError::invalid_argument("thread_name", format!("no live stream thread `{name}`"))
+            })?,
+            _ => scheduler
+                .newest_live_thread()
+                .ok_or_else(|| RuntimeError::Internal("no live thread".into()))?,
+        };
+        scheduler.stop_thread(victim);
+        shared.wake.notify_all();
+        Ok(scheduler.threads()[victim].name().to_string())
+    }
+
+    /// Fault injection for tests: the named thread dies (panics) at its next
+    /// pick, holding what it picked; the runtime must replace it.
+    #[cfg(any(test, feature = "fault-injection"))]
+    pub fn inject_thread_crash(&self, name: &str) -> Result<(), RuntimeError> {
+        let shared = self.shared();
+        let mut scheduler = shared.lock();
+        let slot = scheduler.live_thread(name).ok_or_else(|| {
+            RuntimeError::invalid_argument("thread_name", format!("no live stream thread `{name}`"))
+        })?;
+        scheduler.request_crash(slot);
+        shared.wake.notify_all();
+        Ok(())
+    }
+
+    /// Marks the app shutting down: new calls answer UNAVAILABLE. Non-blocking.
+    pub fn begin_shutdown(&self) {
+        let shared = self.shared();
+        if matches!(shared.app_state(), AppState::Running | AppState::Starting) {
+            shared.set_state(AppState::ShuttingDown);
+        }
+    }
+
+    /// Drains (threads finish the units in hand), commits every watermark and
+    /// joins the threads. Blocking and idempotent; open subscriptions end.
+    /// Answers `CommitFailed` naming every task whose last commit failed.
+    pub fn shutdown(&self) -> Result<(), RuntimeError> {
+        shutdown(self.shared())
+    }
+
+    /// Blocks until every store is restored, every task's watermark reaches its
+    /// partition's end offset, every retry has its final outcome and every
+    /// persistent store has committed it (so queries see it), or `timeout`
+    /// passes; returns whether it did. For tests and tools.
+    pub fn wait_until_caught_up(&self, timeout: Duration) -> bool {
+        let shared = self.shared();
+        let deadline = Instant::now() + timeout;
+        loop {
+            let caught_up = {
+                let scheduler = shared.lock();
+                scheduler.tasks().all(|(_, t)| {
+                    let topic = &shared.pipelines[t.pipeline()].topic;
+                    !t.is_restoring()
+                        && shared.log.end_offset(topic, t.partition()).unwrap_or(0) <= t.watermark()
+                        && describe::retry_backlog(shared, t) == 0
+                        // Queries read a persistent store's last commit: wait for it too.
+                        && !(t.is_persistent() && t.has_uncommitted())
+                })
+            };
+            if caught_up {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+/// Drains, commits and stops. Idempotent; blocks until threads are joined.
+fn shutdown(shared: &Shared) -> Result<(), RuntimeError> {
+    let _membership = shared.membership.lock().unwrap_or_else(|e| e.into_inner());
+    if shared.app_state() == AppState::Stopped {
+        return Ok(());
+    }
+    shared.set_state(AppState::ShuttingDown);
+    // Threads finish the work in hand and leave; a thread that dies now is not replaced.
+    shared.lock().stop_all();
+    loop {
+        shared.wake.notify_all();
+        let handles: Vec<_> = std::mem::take(&mut *shared.handles.lock().unwrap_or_else(|e| e.into_inner()));
+        if handles.is_empty() {
+            break;
+        }
+        for handle in handles {
+            let _ = handle.join();
+        }
+    }
+    // Commits handed to the committer go first, so commits stay in order.
+    shared.committer.stop();
+    let items: Vec<_> = {
+        let scheduler = shared.lock();
+        scheduler
+            .tasks()
+            .filter(|(_, t)| !t.is_restoring() && t.has_uncommitted())
+            .map(|(i, t)| super::scheduler::CommitItem::of(i, t))
+            .collect()
+    };
+    let failures: Vec<String> = items
+        .iter()
+        .filter_map(|item| {
+            commit::final_commit(shared, item)
+                .err()
+                .map(|e| format!("{}: {e}", item.task_id))
+        })
+        .collect();
+    shared.lock().close_feeds();
+    shared.set_state(AppState::Stopped);
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(RuntimeError::CommitFailed(failures))
+    }
+}
+
+/// Adding tasks needs a live app (starting is fine: restores run then too).
+fn check_live(shared: &Shared) -> Result<(), RuntimeError> {
+    match shared.app_state() {
+        AppState::Running | AppState::Starting => Ok(()),
+        AppState::ShuttingDown | AppState::Stopped => Err(RuntimeError::shutting_down()),
+    }
+}
+
+fn not_hosted(shared: &Shared, pipeline: usize, partition: u32) -> RuntimeError {
+    RuntimeError::NotHosted {
+        store: shared.pipelines[pipeline].name.to_string(),
+        partition,
+    }
+}
+
+fn check_in_order(shared: &Shared, pipeline: usize, in_order: bool) -> Result<(), RuntimeError> {
+    let pipeline = &shared.pipelines[pipeline];
+    if in_order && pipeline.order != ProcessingOrder::Offset {
+        return Err(RuntimeError::OrderNotGuaranteed {
+            store: pipeline.name.to_string(),
+            processing_order: pipeline.order,
+            threads_per_task: pipeline.threads_per_task as u32,
+        });
+    }
+    Ok(())
+}
+
+/// The empty key is a key like any other, as in Kafka: Produce accepts it,
+/// processors see it, and it has a partition (murmur2 of no bytes) and a store entry.
+fn key_partition(shared: &Shared, pipeline: usize, key: &[u8]) -> Result<u32, RuntimeError> {
+    Ok(partition_for_key(key, shared.pipelines[pipeline].partitions))
+}
+
+/// Checks that every partition exists in the pipeline's source topic.
+fn check_partitions(shared: &Shared, pipeline: usize, partitions: &[u32]) -> Result<(), RuntimeError> {
+    let pipeline = &shared.pipelines[pipeline];
+    match partitions.iter().find(|&&p| p >= pipeline.partitions) {
+        Some(p) => Err(RuntimeError::invalid_argument(
+            "partitions",
+            format!(
+                "store `{}` has {} partitions; {p} does not exist",
+                pipeline.name, pipeline.partitions
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// The requested partitions, checked to exist and to be hosted here, sorted
+/// and without repeats; empty means every partition hosted here.
+fn hosted_partitions(shared: &Shared, pipeline: usize, partitions: &[u32]) -> Result<Vec<u32>, RuntimeError> {
+    check_partitions(shared, pipeline, partitions)?;
+    let scheduler = shared.lock();
+    if partitions.is_empty() {
+        let mut hosted: Vec<u32> = scheduler
+            .tasks()
+            .filter(|(_, t)| t.pipeline() == pipeline)
+            .map(|(_, t)| t.partition())
+            .collect();
+        hosted.sort_unstable();
+        return Ok(hosted);
+    }
+    let mut out: Vec<u32> = Vec::with_capacity(partitions.len());
+    for &partition in partitions {
+        if scheduler.task_index(pipeline, partition).is_none() {
+            return Err(not_hosted(shared, pipeline, partition));
+        }
+        if !out.contains(&partition) {
+            out.push(partition);
+        }
+    }
+    out.sort_unstable();
+    Ok(out)
+}
+
+/// A key or range read of one hosted partition's store, with its position.
+fn read_partition(
+    shared: &Shared,
+    pipeline: usize,
+    partition: u32,
+    from: Option<&[u8]>,
+    to: Option<&[u8]>,
+    limit: usize,
+) -> Result<PartitionQueryResult, RuntimeError> {
+    let (store, live, start) = {
+        let scheduler = shared.lock();
+        let task = scheduler
+            .task_index(pipeline, partition)
+            .and_then(|t| scheduler.task(t))
+            .ok_or_else(|| not_hosted(shared, pipeline, partition))?;
+        if task.is_restoring() {
+            return Err(RuntimeError::Unavailable {
+                reason: format!("task {} is restoring its state store", task.id()),
+                retry_after: Duration::from_millis(200),
+            });
+        }
+        (task.store().clone(), task.watermark(), task.history_start())
+    };
+    let read = store
+        .read(from, to, limit, live, start)
+        .map_err(|e| RuntimeError::Storage {
+            path: e.path,
+            message: e.message,
+        })?;
+    Ok(PartitionQueryResult {
+        partition,
+        position: read.position,
+        entries: read.entries,
+    })
+}

@@ -1,0 +1,224 @@
+//! `AppBuilder`: a config plus what code provides (the log, custom
+//! processors, a commit callback), and the start of a `StreamsApp`: validate,
+//! create topics, lay out the pipelines, plan every task (unless the caller
+//! assigns partitions itself, as Kafka's group membership does), start the
+//! stream threads.
+
+use super::app::{AppInner, StreamsApp};
+use super::commit::Committer;
+use super::scheduler::{PipelineNames, Scheduler};
+use super::shared::{CommitCallback, CommitReport, PipelineRuntime, Shared};
+use super::{RuntimeError, driver, recovery};
+use crate::config::{Config, ConfigError};
+use crate::log::{Log, LogError, MemoryLog};
+use crate::metadata::{AppState, HostInfo};
+use crate::processor::{self, Processor};
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+/// How often retention is enforced (at a commit round).
+const RETENTION_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Builds a `StreamsApp`: config plus what code provides (log, custom
+/// processors, commit callback).
+pub struct AppBuilder {
+    config: Config,
+    log: Option<Arc<dyn Log>>,
+    processors: HashMap<String, Arc<dyn Processor>>,
+    on_commit: Option<CommitCallback>,
+    assign_all: bool,
+}
+
+impl AppBuilder {
+    pub fn new(config: Config) -> Self {
+        AppBuilder {
+            config,
+            log: None,
+            processors: HashMap::new(),
+            on_commit: None,
+            assign_all: true,
+        }
+    }
+
+    /// The log to consume and produce (default: the embedded log, on disk
+    /// with a `data_dir`, else in memory).
+    pub fn log(mut self, log: Arc<dyn Log>) -> Self {
+        self.log = Some(log);
+        self
+    }
+
+    /// Registers a processor that pipelines name with `processor = "<name>"`.
+    pub fn processor(mut self, name: &str, processor: Arc<dyn Processor>) -> Self {
+        self.processors.insert(name.to_string(), processor);
+        self
+    }
+
+    /// Called after every commit of a task with its result (in order).
+    pub fn on_commit(mut self, callback: impl Fn(&CommitReport) + Send + Sync + 'static) -> Self {
+        self.on_commit = Some(Arc::new(callback));
+        self
+    }
+
+    /// Starts with no task: the caller adds and removes them with
+    /// `StreamsApp::add_tasks` / `remove_tasks` (as a consumer group assigns
+    /// partitions). By default every partition of every pipeline is a task.
+    pub fn manual_assignment(mut self) -> Self {
+        self.assign_all = false;
+        self
+    }
+
+    /// Validates the config, creates topics and tasks, and starts the threads.
+    pub fn start(self) -> Result<StreamsApp, RuntimeError> {
+        let config = self.config;
+        config.validate()?;
+        let (host, port) = crate::config::parse_host_port(&config.application_server)
+            .map_err(|m| ConfigError::new("application_server", m))?;
+        let log: Arc<dyn Log> = match (self.log, &config.data_dir) {
+            (Some(log), _) => log,
+            (None, Some(_)) => crate::datadir::open(&config)?,
+            (None, None) => MemoryLog::new(),
+        };
+        for (topic, partitions) in config.topic_partitions()? {
+            log.ensure_topic(&topic, partitions).map_err(|e| match e {
+                LogError::PartitionCountMismatch { .. } => {
+                    ConfigError::new("topics", format!("{e}; the log already holds this topic")).into()
+                }
+                other => RuntimeError::from(other),
+            })?;
+        }
+        let pipelines = layout_pipelines(&config, log.as_ref(), &self.processors)?;
+        let names = pipelines
+            .iter()
+            .map(|p| PipelineNames {
+                name: p.name.clone(),
+                topic: p.topic.clone(),
+            })
+            .collect();
+        let scheduler = Scheduler::new(
+            &config.application_id,
+            names,
+            config.subscriber_buffer_batches,
+            Duration::from_millis(config.commit_interval_ms),
+            RETENTION_INTERVAL,
+            Instant::now(),
+        );
+        let threads = config.num_stream_threads;
+        let shared = Arc::new(Shared::new(
+            config,
+            log.clone(),
+            HostInfo { host, port },
+            pipelines,
+            scheduler,
+            self.on_commit,
+        ));
+        if shared.config.commit_mode == crate::config::CommitMode::Async {
+            Committer::start(&shared)
+                .map_err(|e| RuntimeError::Internal(format!("could not start the committer: {e}")))?;
+        }
+        let weak: Weak<Shared> = Arc::downgrade(&shared);
+        log.add_append_listener(Arc::new(move |topic, partition| {
+            if let Some(shared) = weak.upgrade() {
+                on_append(&shared, topic, partition);
+            }
+        }));
+        let slots: Vec<usize> = {
+            let mut scheduler = shared.lock();
+            (0..threads).map(|_| scheduler.add_thread()).collect()
+        };
+        if self.assign_all {
+            for pipeline in 0..shared.pipelines.len() {
+                for partition in 0..shared.pipelines[pipeline].partitions {
+                    let init = recovery::plan(&shared, pipeline, partition, None)?;
+                    shared.lock().add_task(init);
+                }
+            }
+        }
+        let app = StreamsApp {
+            inner: Arc::new(AppInner {
+                shared: shared.clone(),
+            }),
+        };
+        {
+            let scheduler = shared.lock();
+            // Restoring: calls answer UNAVAILABLE until the last store is rebuilt.
+            if scheduler.all_restored() {
+                shared.set_state(AppState::Running);
+            }
+            let names: Vec<_> = slots
+                .iter()
+                .map(|&s| scheduler.threads()[s].name().clone())
+                .collect();
+            drop(scheduler);
+            for (slot, name) in slots.into_iter().zip(names) {
+                driver::spawn(&shared, slot, &name);
+            }
+        }
+        Ok(app)
+    }
+}
+
+/// The pipelines as they will run: processor, topics, order.
+fn layout_pipelines(
+    config: &Config,
+    log: &dyn Log,
+    registered: &HashMap<String, Arc<dyn Processor>>,
+) -> Result<Vec<PipelineRuntime>, RuntimeError> {
+    let mut pipelines = Vec::new();
+    for (index, pipeline) in config.pipelines.iter().enumerate() {
+        // A processor registered in code wins over a built-in of the same name.
+        let registered = registered.get(pipeline.processor.name()).cloned();
+        let Some(processor) = registered.or_else(|| processor::builtin(&pipeline.processor)) else {
+            return Err(ConfigError::new(
+                format!("pipelines[{index}].processor"),
+                format!(
+                    "`{}` is neither a built-in (count, sum, latest, simulate) nor registered with \
+                     AppBuilder::processor",
+                    pipeline.processor.name()
+                ),
+            )
+            .into());
+        };
+        let partitions = log.partitions(&pipeline.source_topic)?;
+        let retry_topic = config.retry_topic(&pipeline.name);
+        let dead_letter_topic = config.dead_letter_topic(&pipeline.name);
+        for internal in [&retry_topic, &dead_letter_topic] {
+            log.ensure_topic(internal, partitions)?;
+        }
+        let effective = config.effective_order(pipeline);
+        pipelines.push(PipelineRuntime {
+            name: pipeline.name.as_str().into(),
+            topic: pipeline.source_topic.as_str().into(),
+            partitions,
+            order: effective.order,
+            threads_per_task: effective.threads_per_task,
+            processor,
+            processor_name: pipeline.processor.name().to_string(),
+            store_kind: config.store_kind(pipeline),
+            retry_policy: config.retry_policy(pipeline),
+            retry_topic: retry_topic.into(),
+            dead_letter_topic: dead_letter_topic.into(),
+        });
+    }
+    Ok(pipelines)
+}
+
+/// Appends to a pipeline's source or retry partition wake the threads.
+fn on_append(shared: &Shared, topic: &str, partition: u32) {
+    let mut scheduler = shared.lock();
+    let mut any = false;
+    for (p, pipeline) in shared.pipelines.iter().enumerate() {
+        let source = *pipeline.topic == *topic;
+        if !source && *pipeline.retry_topic != *topic {
+            continue;
+        }
+        let Some(task) = scheduler.task_index(p, partition) else {
+            continue;
+        };
+        scheduler.notify_append(task, source);
+        any = true;
+    }
+    if any {
+        shared.wake_waiters(&scheduler);
+    }
+}

@@ -1,0 +1,341 @@
+//! Commits: carrying out a commit round (freeze persistent stores, write the
+//! positions — inline for `commit_mode = "sync"`, in order on the committer
+//! thread for `async`), the final commit of a task that leaves or of the
+//! whole app at shutdown, and what rides along with a round: retention of the
+//! log and the gauges of `crate::metrics`.
+
+use super::scheduler::{CommitItem, FreezeResult};
+use super::shared::{CommitReport, Shared};
+use crate::log::Retention;
+use crate::store::{Checkpoint, FreezeError};
+use std::sync::{Arc, Mutex, mpsc};
+
+/// The async committer: a thread that writes handed-off commits in order.
+#[derive(Default)]
+pub(crate) struct Committer {
+    sender: Mutex<Option<mpsc::Sender<Vec<CommitItem>>>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Committer {
+    /// Starts the committer thread (`commit_mode = "async"`).
+    pub(crate) fn start(shared: &Arc<Shared>) -> std::io::Result<()> {
+        let (sender, receiver) = mpsc::channel::<Vec<CommitItem>>();
+        let weak = Arc::downgrade(shared);
+        let handle = std::thread::Builder::new()
+            .name(format!("{}-committer", shared.config.application_id))
+            .spawn(move || {
+                for items in receiver {
+                    let Some(shared) = weak.upgrade() else { break };
+                    write_all(&shared, &items);
+                }
+            })?;
+        *lock(&shared.committer.sender) = Some(sender);
+        *lock(&shared.committer.thread) = Some(handle);
+        Ok(())
+    }
+
+    /// Hands commits to the committer; answers them back if there is none.
+    fn hand_off(&self, items: Vec<CommitItem>) -> Option<Vec<CommitItem>> {
+        match lock(&self.sender).as_ref() {
+            Some(sender) => sender.send(items).err().map(|e| e.0),
+            None => Some(items),
+        }
+    }
+
+    /// Lets the committer write what it was handed, then stops it.
+    pub(crate) fn stop(&self) {
+        lock(&self.sender).take();
+        if let Some(thread) = lock(&self.thread).take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn checkpoint(item: &CommitItem) -> Checkpoint {
+    Checkpoint {
+        watermark: item.offset,
+        retry_offset: item.retry_offset,
+        retry_done: item.retry_done.clone(),
+    }
+}
+
+/// Freezes a persistent store's commit (what its checkpoint covers). A
+/// previous commit still pending (being written, or failed to be) is
+/// written first, so one failure does not stop every later commit.
+fn freeze(item: &CommitItem) -> FreezeResult {
+    let Some(store) = item.store.as_ref().and_then(|s| s.persistent()) else {
+        return FreezeResult::Frozen;
+    };
+    let checkpoint = checkpoint(item);
+    match store.begin_commit(&checkpoint) {
+        Ok(true) => return FreezeResult::Frozen,
+        Ok(false) => {}
+        Err(FreezeError) => return FreezeResult::OutOfOrder,
+    }
+    if let Err(e) = store.finish_commit() {
+        tracing::warn!(task = %item.task_id, error = %e, "an earlier commit still cannot be written");
+        return FreezeResult::Busy;
+    }
+    match store.begin_commit(&checkpoint) {
+        Ok(true) => FreezeResult::Frozen,
+        Ok(false) => FreezeResult::Busy,
+        Err(FreezeError) => FreezeResult::OutOfOrder,
+    }
+}
+
+/// Carries out commits due now: freezes first (a task waiting idle for its
+/// freeze resumes as soon as it is done), then writes them inline or hands
+/// them to the committer.
+pub(crate) fn run(shared: &Shared, items: Vec<CommitItem>) {
+    if items.is_empty() {
+        return;
+    }
+    let mut ready = Vec::with_capacity(items.len());
+    let mut results = Vec::with_capacity(items.len());
+    for item in items {
+        let result = freeze(&item);
+        results.push((item.task, result));
+        if result == FreezeResult::Frozen {
+            ready.push(item);
+        }
+    }
+    {
+        let mut scheduler = shared.lock();
+        for (task, result) in results {
+            scheduler.frozen(task, result);
+        }
+        shared.wake_waiters(&scheduler);
+    }
+    if ready.is_empty() {
+        return;
+    }
+    let ready = if shared.config.commit_mode == crate::config::CommitMode::Async {
+        shared.committer.hand_off(ready)
+    } else {
+        Some(ready)
+    };
+    if let Some(items) = ready {
+        write_all(shared, &items);
+    }
+}
+
+/// Writes frozen commits in order, records them, and reports each.
+fn write_all(shared: &Shared, items: &[CommitItem]) {
+    for item in items {
+        let _ = write_and_report(shared, item);
+    }
+}
+
+/// Writes a frozen commit, records it, reports it (what was written: another
+/// thread may have written this store's frozen commit already, then there is
+/// nothing to report here).
+fn write_and_report(shared: &Shared, item: &CommitItem) -> Result<(), String> {
+    match write(shared, item) {
+        Ok(Some(written)) => {
+            shared.lock().commit_applied(&written, true);
+            report(shared, &written, Ok(()));
+            Ok(())
+        }
+        Ok(None) => Ok(()),
+        Err(e) => {
+            report(shared, item, Err(e.clone()));
+            Err(e)
+        }
+    }
+}
+
+fn report(shared: &Shared, item: &CommitItem, result: Result<(), String>) {
+    let label = if result.is_ok() { "ok" } else { "error" };
+    metrics::counter!(crate::metrics::COMMITS, "result" => label).increment(1);
+    if let Err(e) = &result {
+        tracing::error!(task = %item.task_id, offset = item.offset, error = %e, "commit failed");
+    }
+    if let Some(callback) = &shared.on_commit {
+        callback(&CommitReport {
+            task_id: item.task_id.to_string(),
+            offset: item.offset,
+            result,
+        });
+    }
+}
+
+/// Writes one frozen commit: the store's data with its checkpoint (persistent),
+/// or the positions to the log's committed offsets (memory). Answers what
+/// was written, None if another thread wrote the store's frozen commit.
+fn write(shared: &Shared, item: &CommitItem) -> Result<Option<CommitItem>, String> {
+    if let Some(store) = &item.store {
+        let Some(store) = store.persistent() else {
+            return Err("the store is not persistent".to_string());
+        };
+        return match store.finish_commit() {
+            Ok(Some(checkpoint)) => Ok(Some(CommitItem {
+                offset: checkpoint.watermark,
+                retry_offset: checkpoint.retry_offset,
+                retry_done: checkpoint.retry_done,
+                ..item.clone()
+            })),
+            Ok(None) => Ok(None),
+            Err(e) => Err(e.to_string()),
+        };
+    }
+    let pipeline = &shared.pipelines[item.pipeline];
+    let group = &shared.config.application_id;
+    // Each commit may cost an fsync: write only the positions that moved.
+    if item.offset != item.committed_offset {
+        shared
+            .log
+            .commit(group, &pipeline.topic, item.partition, item.offset)
+            .map_err(|e| e.to_string())?;
+    }
+    if item.retry_offset != item.committed_retry_offset {
+        shared
+            .log
+            .commit(group, &pipeline.retry_topic, item.partition, item.retry_offset)
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(Some(item.clone()))
+}
+
+/// The last commit of a task that leaves, or of every task at shutdown,
+/// written inline: freezes what is covered (no thread works for the task,
+/// so an untagged store's whole state is) and writes it. Reports to the
+/// callback; answers the error, if any.
+pub(crate) fn final_commit(shared: &Shared, item: &CommitItem) -> Result<(), String> {
+    let error = match freeze(item) {
+        FreezeResult::Frozen => return write_and_report(shared, item),
+        FreezeResult::Busy => "the store's previous commit could not be written".to_string(),
+        FreezeResult::OutOfOrder => FreezeError.to_string(),
+    };
+    report(shared, item, Err(error.clone()));
+    Err(error)
+}
+
+/// Which records each topic partition must keep, and enforcement: a
+/// configured topic keeps what its slowest pipeline has not committed; a
+/// retry topic keeps only what is not final and committed.
+pub(crate) fn enforce_retention(shared: &Shared) {
+    let plan: Vec<(Arc<str>, u32, Retention, u64)> = {
+        let scheduler = shared.lock();
+        let mut plan = Vec::new();
+        for topic in &shared.config.topics {
+            let retention = Retention {
+                max_bytes: topic.log_retention_bytes,
+                max_age_ms: topic.log_retention_ms,
+            };
+            if retention.is_unlimited() {
+                continue;
+            }
+            for partition in 0..shared.log.partitions(&topic.name).unwrap_or(0) {
+                let keep_from = scheduler
+                    .tasks()
+                    .filter(|(_, t)| {
+                        t.partition() == partition && *shared.pipelines[t.pipeline()].topic == *topic.name
+                    })
+                    .map(|(_, t)| t.committed())
+                    .min()
+                    // No task here reads it: nothing is known to be safe to drop.
+                    .unwrap_or(0);
+                plan.push((Arc::from(topic.name.as_str()), partition, retention, keep_from));
+            }
+        }
+        for (_, task) in scheduler.tasks() {
+            let everything = Retention {
+                max_bytes: Some(0),
+                max_age_ms: None,
+            };
+            let topic = shared.pipelines[task.pipeline()].retry_topic.clone();
+            plan.push((topic, task.partition(), everything, task.retry().committed()));
+        }
+        plan
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0);
+    for (topic, partition, retention, keep_from) in plan {
+        let start = shared.log.start_offset(&topic, partition).unwrap_or(0);
+        if keep_from <= start {
+            continue;
+        }
+        if let Err(e) = shared
+            .log
+            .enforce_retention(&topic, partition, retention, keep_from, now)
+        {
+            tracing::warn!(topic = %topic, partition, error = %e, "retention failed");
+        }
+    }
+}
+
+/// Sets the gauges of `crate::metrics` from the scheduler's state and the log.
+pub(crate) fn publish_gauges(shared: &Shared) {
+    use crate::metadata::ThreadState;
+    use crate::metrics::{DEAD_LETTERED, LAG, RETRY_BACKLOG, THREADS};
+    // (pipeline, partition, watermark, retry watermark, final retries above it)
+    let (tasks, by_state) = {
+        let scheduler = shared.lock();
+        let tasks: Vec<(usize, u32, u64, u64, u64)> = scheduler
+            .tasks()
+            .map(|(_, t)| {
+                let retry = t.retry();
+                (
+                    t.pipeline(),
+                    t.partition(),
+                    t.watermark(),
+                    retry.watermark(),
+                    retry.final_above(),
+                )
+            })
+            .collect();
+        let mut by_state = [0u32; 5];
+        for (i, thread) in scheduler.threads().iter().enumerate() {
+            if !thread.is_alive() {
+                continue;
+            }
+            by_state[match scheduler.thread_state(i) {
+                ThreadState::Owner => 0,
+                ThreadState::Helper => 1,
+                ThreadState::Reserve => 2,
+                ThreadState::Retry => 3,
+                ThreadState::Stopping => 4,
+            }] += 1;
+        }
+        (tasks, by_state)
+    };
+    for (p, pipeline) in shared.pipelines.iter().enumerate() {
+        let mut backlog = 0;
+        let mut lag = 0;
+        for &(_, partition, watermark, retry_watermark, final_above) in tasks.iter().filter(|t| t.0 == p) {
+            let end = shared.log.end_offset(&pipeline.topic, partition).unwrap_or(0);
+            lag += end.saturating_sub(watermark);
+            let retry_end = shared
+                .log
+                .end_offset(&pipeline.retry_topic, partition)
+                .unwrap_or(0);
+            backlog += super::retry_queue::backlog(retry_end, retry_watermark, final_above);
+        }
+        let dead: u64 = (0..pipeline.partitions)
+            .map(|partition| dead_lettered(shared, &pipeline.dead_letter_topic, partition))
+            .sum();
+        let name = pipeline.name.to_string();
+        metrics::gauge!(RETRY_BACKLOG, "pipeline" => name.clone()).set(backlog as f64);
+        metrics::gauge!(LAG, "pipeline" => name.clone()).set(lag as f64);
+        metrics::gauge!(DEAD_LETTERED, "pipeline" => name).set(dead as f64);
+    }
+    for (state, count) in ["owner", "helper", "reserve", "retry", "stopping"]
+        .into_iter()
+        .zip(by_state)
+    {
+        metrics::gauge!(THREADS, "state" => state).set(f64::from(count));
+    }
+}
+
+/// Records retained in a dead-letter partition.
+pub(crate) fn dead_lettered(shared: &Shared, topic: &str, partition: u32) -> u64 {
+    let end = shared.log.end_offset(topic, partition).unwrap_or(0);
+    end - shared.log.start_offset(topic, partition).unwrap_or(0).min(end)
+}

@@ -1,0 +1,455 @@
+//! Running the processor, outside any lock: one attempt (with its own write
+//! buffer over the store), a unit of source records (failures go to the retry
+//! topic and the unit moves on; `blocking` retries in place), a unit of retry
+//! items, and a step of a memory store's replay at start.
+
+use super::attempt::AttemptStore;
+use super::retry::{self, Failure, RetryItem};
+use super::scheduler::{RetriesDone, UnitContext, UnitDone};
+use super::shared::Shared;
+use super::work::{Gating, WorkUnit};
+use crate::config::RetryPolicy;
+use crate::log::{ProducerRecord, Record};
+use crate::metadata::{Outcome, RecordOutcome};
+use crate::processor::ProcessorContext;
+use crate::store::{Write, WriteTag};
+use bytes::Bytes;
+use std::collections::HashSet;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Source records replayed per restore step (the lock is released between steps).
+const RESTORE_CHUNK: usize = 5_000;
+
+/// Records between two looks at the clock while records are fast: reading it
+/// costs about as much as a no-op record. Slow records look every time.
+const CLOCK_EVERY: usize = 64;
+
+/// A record slower than this makes the unit look at the clock after every record.
+const SLOW_RECORD: Duration = Duration::from_micros(20);
+
+pub(crate) fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+fn outcome(
+    context: &UnitContext,
+    record: &Record,
+    outcome: Outcome,
+    attempts: u32,
+    error: Option<&Failure>,
+) -> RecordOutcome {
+    RecordOutcome {
+        thread: context.record_threads.then(|| context.thread.clone()),
+        offset: record.offset,
+        key: record.key.clone(),
+        timestamp_ms: record.timestamp_ms,
+        outcome,
+        attempts,
+        error: error.map(|f| Arc::from(format!("{}: {}", f.kind, f.message))),
+    }
+}
+
+/// Runs the processor once over `record` with a fresh write buffer, applied
+/// to the store (tagged `tag`) only on success. An error, a panic, or a call
+/// that outlives `processing_timeout_ms` is a failure: (kind, message).
+fn attempt(
+    shared: &Shared,
+    context: &UnitContext,
+    record: &Record,
+    number: u32,
+    tag: WriteTag,
+    buffer: &mut Vec<Write>,
+) -> Result<(), (String, String)> {
+    let pipeline = &shared.pipelines[context.pipeline];
+    let timeout = shared.processing_timeout();
+    let started = Instant::now();
+    let deadline = timeout.map(|t| started + t);
+    let store = AttemptStore::new(
+        &context.store,
+        &context.locks,
+        deadline,
+        record.key.as_ref(),
+        std::mem::take(buffer),
+    );
+    let ctx = ProcessorContext {
+        task_id: &context.task_id,
+        partition: context.partition,
+        attempt: number,
+        store: &store,
+        deadline,
+    };
+    let result = catch_unwind(AssertUnwindSafe(|| pipeline.processor.process(record, &ctx)));
+    let result = match result {
+        Ok(Ok(())) => match timeout {
+            Some(limit) if started.elapsed() > limit => Err((
+                "Timeout".to_string(),
+                format!(
+                    "processing took {} ms, more than processing_timeout_ms ({})",
+                    started.elapsed().as_millis(),
+                    limit.as_millis()
+                ),
+            )),
+            _ => Ok(()),
+        },
+        Ok(Err(e)) => Err((e.kind, e.message)),
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".to_string());
+            Err(("Panic".to_string(), message))
+        }
+    };
+    *buffer = match result {
+        Ok(()) => store.succeed(|writes| context.store.apply(tag, writes, context.settled_below)),
+        Err(_) => store.discard(),
+    };
+    result
+}
+
+/// Appends failed records to a topic durably, trying a few times: the records
+/// must not count as completed before they are safely on their path.
+fn append_failed(shared: &Shared, topic: &str, records: Vec<ProducerRecord>) -> Result<(), String> {
+    if records.is_empty() {
+        return Ok(());
+    }
+    let mut last_error = String::new();
+    for pause_ms in [0, 10, 100, 1_000] {
+        std::thread::sleep(Duration::from_millis(pause_ms));
+        match shared.log.append(topic, records.clone()) {
+            Ok(_) => return Ok(()),
+            Err(e) => last_error = e.to_string(),
+        }
+    }
+    tracing::error!(topic, error = %last_error, "could not append failed records");
+    Err(last_error)
+}
+
+fn failure(kind: String, message: String) -> Failure {
+    let now = now_ms();
+    Failure {
+        kind,
+        message,
+        attempts: 1,
+        first_failure_ms: now,
+        last_failure_ms: now,
+    }
+}
+
+/// Runs the processor over a unit's records, until they are done or
+/// `max_batch_ms` has passed (the rest goes back). A failing record goes to
+/// the retry topic (or, `blocking`, is retried in place) and the unit moves
+/// on; a record whose key waits behind one on the retry path is parked there
+/// behind it, or (`key` order, a key that failed in this very unit) handed
+/// back to wait in memory.
+pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) -> UnitDone {
+    let pipeline = &shared.pipelines[context.pipeline];
+    let max_attempts = shared.config.retry_max_attempts;
+    let batch_limit = Duration::from_millis(shared.config.max_batch_ms);
+    let started = Instant::now();
+    let mut clock_every = CLOCK_EVERY;
+    let mut outcomes = Vec::with_capacity(unit.records.len());
+    let mut returned = Vec::new();
+    let mut to_retry: Vec<(usize, ProducerRecord)> = Vec::new();
+    let mut to_dead_letter: Vec<(usize, ProducerRecord)> = Vec::new();
+    let mut failed_keys: HashSet<Bytes> = HashSet::new();
+    let mut buffer: Vec<Write> = Vec::new();
+    let mut records = unit.records.iter().enumerate();
+    while let Some((i, record)) = records.next() {
+        // After the first record, to learn how slow records are; then every
+        // `clock_every` records.
+        if i == 1 || (i > 0 && i % clock_every == 0) {
+            let elapsed = started.elapsed();
+            if elapsed >= batch_limit {
+                returned.push(record.clone());
+                returned.extend(records.map(|(_, r)| r.clone()));
+                break;
+            }
+            if elapsed / i as u32 > SLOW_RECORD {
+                clock_every = 1;
+            }
+        }
+        let key_failed = context.gating != Gating::Off
+            && !failed_keys.is_empty()
+            && record.key.as_ref().is_some_and(|k| failed_keys.contains(k));
+        if key_failed && context.gating == Gating::Hold {
+            returned.push(record.clone());
+            continue;
+        }
+        if unit.parks(i) || key_failed {
+            let now = now_ms();
+            let parked = Failure {
+                kind: "Parked".to_string(),
+                message: "waits behind an earlier record of its key on the retry path".to_string(),
+                attempts: 0,
+                first_failure_ms: now,
+                last_failure_ms: now,
+            };
+            to_retry.push((
+                outcomes.len(),
+                retry::failed_record(&pipeline.topic, record, &parked),
+            ));
+            outcomes.push(outcome(context, record, Outcome::Retrying, 0, Some(&parked)));
+            continue;
+        }
+        let tag = if context.tag_writes {
+            WriteTag::Source(record.offset)
+        } else {
+            WriteTag::Untracked
+        };
+        let Err((kind, message)) = attempt(shared, context, record, 1, tag, &mut buffer) else {
+            outcomes.push(outcome(context, record, Outcome::Processed, 1, None));
+            continue;
+        };
+        let mut failure = failure(kind, message);
+        if pipeline.retry_policy == RetryPolicy::Blocking {
+            // Kafka Streams' way: the partition waits while the record is retried here.
+            let mut final_outcome = Outcome::DeadLettered;
+            while failure.attempts < max_attempts {
+                std::thread::sleep(shared.backoff(failure.attempts, record.offset));
+                match attempt(shared, context, record, failure.attempts + 1, tag, &mut buffer) {
+                    Ok(()) => {
+                        final_outcome = Outcome::Processed;
+                        break;
+                    }
+                    Err((kind, message)) => {
+                        failure.attempts += 1;
+                        failure.kind = kind;
+                        failure.message = message;
+                        failure.last_failure_ms = now_ms();
+                    }
+                }
+            }
+            if final_outcome == Outcome::Processed {
+                outcomes.push(outcome(
+                    context,
+                    record,
+                    Outcome::Processed,
+                    failure.attempts + 1,
+                    None,
+                ));
+            } else {
+                let dead = retry::failed_record(&pipeline.topic, record, &failure);
+                to_dead_letter.push((outcomes.len(), dead));
+                outcomes.push(outcome(
+                    context,
+                    record,
+                    Outcome::DeadLettered,
+                    failure.attempts,
+                    Some(&failure),
+                ));
+            }
+            continue;
+        }
+        if max_attempts <= 1 {
+            let dead = retry::failed_record(&pipeline.topic, record, &failure);
+            to_dead_letter.push((outcomes.len(), dead));
+            outcomes.push(outcome(context, record, Outcome::DeadLettered, 1, Some(&failure)));
+            continue;
+        }
+        if context.gating != Gating::Off
+            && let Some(key) = &record.key
+        {
+            failed_keys.insert(key.clone());
+        }
+        to_retry.push((
+            outcomes.len(),
+            retry::failed_record(&pipeline.topic, record, &failure),
+        ));
+        outcomes.push(outcome(context, record, Outcome::Retrying, 1, Some(&failure)));
+    }
+    let mut retry_keys = Vec::new();
+    for (topic, entries) in [
+        (&pipeline.retry_topic, to_retry),
+        (&pipeline.dead_letter_topic, to_dead_letter),
+    ] {
+        let (indices, produced): (Vec<usize>, Vec<ProducerRecord>) = entries.into_iter().unzip();
+        match append_failed(shared, topic, produced) {
+            Ok(()) => {
+                if Arc::ptr_eq(topic, &pipeline.retry_topic) && context.gating != Gating::Off {
+                    retry_keys.extend(indices.iter().filter_map(|&i| outcomes[i].key.clone()));
+                }
+            }
+            Err(error) => {
+                // Not on its path: the record's outcome is final.
+                for i in indices {
+                    let record = &mut outcomes[i];
+                    record.outcome = Outcome::Failed;
+                    record.error = Some(Arc::from(format!("could not append to `{topic}`: {error}")));
+                }
+            }
+        }
+    }
+    crate::metrics::record_outcomes(&pipeline.name, &outcomes);
+    UnitDone {
+        lane: unit.lane,
+        outcomes,
+        returned,
+        retry_keys,
+    }
+}
+
+/// Attempts retry items: success is final; a failure waits for its next
+/// attempt with backoff, or after the last one is dead-lettered.
+pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<RetryItem>) -> RetriesDone {
+    /// Where an item stands after its attempt.
+    enum Next {
+        Processed,
+        Again,
+        DeadLetter,
+        /// Keyed: an earlier item of its key failed again in this unit, so
+        /// it did not run and waits behind that one.
+        Untouched,
+    }
+    let pipeline = &shared.pipelines[context.pipeline];
+    let max_attempts = shared.config.retry_max_attempts;
+    let keyed = context.gating != Gating::Off;
+    let mut buffer: Vec<Write> = Vec::new();
+    let mut attempted = Vec::with_capacity(items.len());
+    let mut blocked_keys: HashSet<Bytes> = HashSet::new();
+    for mut item in items {
+        if keyed
+            && let Some(key) = &item.record.key
+            && blocked_keys.contains(key)
+        {
+            attempted.push((item, Next::Untouched));
+            continue;
+        }
+        let number = item.failure.attempts + 1;
+        let tag = if context.tag_writes {
+            WriteTag::Retry(item.retry_offset)
+        } else {
+            WriteTag::Untracked
+        };
+        let next = match attempt(shared, context, &item.record, number, tag, &mut buffer) {
+            Ok(()) => Next::Processed,
+            Err((kind, message)) => {
+                let now = now_ms();
+                item.failure.attempts = number;
+                item.failure.kind = kind;
+                item.failure.message = message;
+                item.failure.last_failure_ms = now;
+                if item.failure.first_failure_ms == 0 {
+                    item.failure.first_failure_ms = now;
+                }
+                if number >= max_attempts {
+                    Next::DeadLetter
+                } else {
+                    item.due_ms = now + shared.backoff(number, item.retry_offset).as_millis() as i64;
+                    if keyed && let Some(key) = &item.record.key {
+                        blocked_keys.insert(key.clone());
+                    }
+                    Next::Again
+                }
+            }
+        };
+        attempted.push((item, next));
+    }
+    let dead: Vec<ProducerRecord> = attempted
+        .iter()
+        .filter(|(_, next)| matches!(next, Next::DeadLetter))
+        .map(|(item, _)| retry::failed_record(&pipeline.topic, &item.record, &item.failure))
+        .collect();
+    // Refused by the dead-letter topic: the record stays on the retry path.
+    let dead_lettered = append_failed(shared, &pipeline.dead_letter_topic, dead).is_ok();
+    let mut finished = Vec::new();
+    let mut again = Vec::new();
+    let mut outcomes = Vec::with_capacity(attempted.len());
+    for (mut item, next) in attempted {
+        let attempts = item.failure.attempts;
+        let final_outcome = match next {
+            Next::Untouched => false,
+            Next::Processed => {
+                outcomes.push(outcome(
+                    context,
+                    &item.record,
+                    Outcome::Processed,
+                    attempts + 1,
+                    None,
+                ));
+                true
+            }
+            Next::DeadLetter if dead_lettered => {
+                outcomes.push(outcome(
+                    context,
+                    &item.record,
+                    Outcome::DeadLettered,
+                    attempts,
+                    Some(&item.failure),
+                ));
+                true
+            }
+            Next::DeadLetter | Next::Again => {
+                if matches!(next, Next::DeadLetter) {
+                    item.due_ms = now_ms() + shared.backoff(attempts, item.retry_offset).as_millis() as i64;
+                }
+                outcomes.push(outcome(
+                    context,
+                    &item.record,
+                    Outcome::Retrying,
+                    attempts,
+                    Some(&item.failure),
+                ));
+                false
+            }
+        };
+        if final_outcome {
+            finished.push((item.retry_offset, item.record.offset, item.record.key.clone()));
+        } else {
+            again.push(item);
+        }
+    }
+    crate::metrics::record_outcomes(&pipeline.name, &outcomes);
+    RetriesDone {
+        finished,
+        again,
+        outcomes,
+    }
+}
+
+/// Replays source offsets `[from, until)` (at most a chunk) into a memory
+/// store, without publishing outcomes. Records still on the retry path
+/// (`skip`) are left to it; a record that fails is tried as often as
+/// `retry_max_attempts` allows, as it was the first time. Answers the next offset.
+pub(crate) fn restore_chunk(
+    shared: &Shared,
+    context: &UnitContext,
+    from: u64,
+    until: u64,
+    skip: &HashSet<u64>,
+) -> Result<u64, crate::log::LogError> {
+    let pipeline = &shared.pipelines[context.pipeline];
+    let max = ((until - from) as usize).min(RESTORE_CHUNK);
+    let mut records = Vec::with_capacity(max);
+    shared
+        .log
+        .read(&pipeline.topic, context.partition, from, max, &mut records)?;
+    let mut buffer = Vec::new();
+    let mut next = from;
+    for record in &records {
+        next = record.offset + 1;
+        if next > until {
+            break;
+        }
+        if skip.contains(&record.offset) {
+            continue;
+        }
+        for number in 1..=shared.config.retry_max_attempts {
+            if attempt(shared, context, record, number, WriteTag::Untracked, &mut buffer).is_ok() {
+                break;
+            }
+        }
+    }
+    // An empty read below `until` means the log lost records: do not spin.
+    Ok(if records.is_empty() {
+        until
+    } else {
+        next.min(until)
+    })
+}

@@ -1,0 +1,126 @@
+//! Where a task resumes, at start or when it is added while running: open its
+//! store; read the positions it committed (a persistent store's checkpoint,
+//! committed with its data, else the log's committed offsets); scan its
+//! retry-topic partition for what is still pending; and plan the replay that
+//! rebuilds a memory store. The answer is a `TaskInit` for the scheduler.
+
+use super::RuntimeError;
+use super::retry::RetryBacklog;
+use super::retry_queue::RetryQueue;
+use super::shared::Shared;
+use super::stores::TaskStore;
+use super::task::{Restore, TaskInit};
+use super::work::Gating;
+use crate::config::{ProcessingOrder, RetryPolicy, StoreKind};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The longest a task added again waits for its previous store to close.
+const CLOSE_WAIT: Duration = Duration::from_secs(30);
+
+/// Waits until the store of a previous incarnation of task `id` is closed
+/// (its last commit written), so the file is not opened twice.
+fn wait_until_closed(shared: &Shared, id: &Arc<str>) -> Result<(), RuntimeError> {
+    let deadline = Instant::now() + CLOSE_WAIT;
+    loop {
+        let open = shared
+            .closing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|(task, store)| task == id && store.strong_count() > 0);
+        if !open {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(RuntimeError::Unavailable {
+                reason: format!("task {id} is still closing its store"),
+                retry_after: Duration::from_secs(1),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Plans task `partition` of pipeline `pipeline`. `start` overrides where a
+/// task without a checkpoint of its own resumes (a persistent store that has
+/// committed resumes at its checkpoint: its data is as of that point).
+pub(crate) fn plan(
+    shared: &Shared,
+    pipeline: usize,
+    partition: u32,
+    start: Option<u64>,
+) -> Result<TaskInit, RuntimeError> {
+    let config = &shared.config;
+    let log = shared.log.as_ref();
+    let p = &shared.pipelines[pipeline];
+    let group = config.application_id.as_str();
+    let id: Arc<str> = format!("{}_{}", p.name, partition).into();
+    wait_until_closed(shared, &id)?;
+    let store = match (p.store_kind, &config.data_dir) {
+        (StoreKind::Persistent, Some(dir)) => {
+            TaskStore::open_persistent(dir, group, &id).map_err(|e| RuntimeError::Storage {
+                path: e.path,
+                message: e.message,
+            })?
+        }
+        _ => TaskStore::memory(),
+    };
+    let earliest = log.start_offset(&p.topic, partition)?;
+    let retry_earliest = log.start_offset(&p.retry_topic, partition)?;
+    let retry_end = log.end_offset(&p.retry_topic, partition)?;
+    let checkpoint = store.checkpoint();
+    let (committed, retry_committed, retry_done) = match (&checkpoint, store.persistent()) {
+        (Some(c), _) => (Some(c.watermark), Some(c.retry_offset), c.retry_done.clone()),
+        (None, Some(_)) => (start, None, Vec::new()),
+        (None, None) => (
+            start.or(log.committed(group, &p.topic, partition)?),
+            log.committed(group, &p.retry_topic, partition)?,
+            Vec::new(),
+        ),
+    };
+    let resume = committed.unwrap_or(earliest).max(earliest);
+    let retry_start = retry_committed.unwrap_or(retry_earliest).max(retry_earliest);
+    let gating = match (p.retry_policy, p.order) {
+        (RetryPolicy::Blocking, _) | (_, ProcessingOrder::Unordered) => Gating::Off,
+        (RetryPolicy::RetryTopic, ProcessingOrder::Key) => Gating::Hold,
+        (RetryPolicy::RetryTopic, ProcessingOrder::Offset) => Gating::Park,
+    };
+    let keyed = gating != Gating::Off;
+    let backlog = RetryBacklog::scan(
+        log,
+        &p.retry_topic,
+        partition,
+        retry_start..retry_end,
+        retry_done,
+        resume,
+    )?;
+    let mut retry = RetryQueue::new(
+        retry_start,
+        keyed,
+        config.max_in_flight_records,
+        backlog.final_offsets,
+    );
+    retry.mark_committed(retry_committed.unwrap_or(retry_start), 0);
+    // A memory store is rebuilt from what the log retains, up to the
+    // committed watermark, before the task runs.
+    let restore = (store.persistent().is_none() && resume > earliest)
+        .then(|| Restore::new(earliest, resume, backlog.pending_sources));
+    Ok(TaskInit {
+        id,
+        pipeline,
+        partition,
+        order: p.order,
+        threads_per_task: p.threads_per_task,
+        gating,
+        start: resume,
+        committed: committed.unwrap_or(0),
+        retry,
+        gated_keys: if keyed { backlog.pending_keys } else { Vec::new() },
+        store: Arc::new(store),
+        restore,
+        max_batch_records: config.max_batch_records,
+        max_in_flight_records: config.max_in_flight_records,
+        outcome_retention_records: config.outcome_retention_records,
+    })
+}

@@ -1,0 +1,394 @@
+//! The not-yet-final entries of one task's retry-topic partition: waiting
+//! with their due time, handed to threads in runs (keyed: one key's entries
+//! one at a time, in order), and the retry-topic watermark committed with the
+//! source watermark. Invariants: an entry is waiting, in progress, or final —
+//! one of them; the watermark is the final prefix.
+
+use super::retry::RetryItem;
+use super::sequencer::Sequencer;
+use bytes::Bytes;
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+/// The not-yet-final records of one task's retry-topic partition.
+pub(crate) struct RetryQueue {
+    /// Completion of retry-topic offsets; its watermark is the retry offset to commit.
+    seq: Sequencer<()>,
+    /// Loaded and waiting (not in progress), by retry offset.
+    waiting: BTreeMap<u64, RetryItem>,
+    /// Keyed: keys with an item in progress.
+    busy_keys: HashSet<Bytes>,
+    in_progress: usize,
+    /// Items of one key run one at a time, in retry-offset order (`offset`
+    /// and `key` order: the records parked behind a failed one wait for it).
+    keyed: bool,
+    fetching: bool,
+    /// Bumped by every append to the retry partition; equal to `fetched_gen`
+    /// once a fetch found nothing new, so an idle retry topic is not polled.
+    append_gen: u64,
+    fetched_gen: u64,
+    /// The retry offset last committed.
+    committed: u64,
+    /// How many final offsets above `committed` the last commit recorded.
+    committed_done: usize,
+    /// Offsets of the source records not yet final (for bounded streams).
+    pending_sources: BTreeMap<u64, u32>,
+    /// Records loaded at most at once; more are read as these finish.
+    window: usize,
+    /// No waiting item can be due before this (0 = unknown; see `take_due`).
+    not_before_ms: i64,
+    /// Offsets final before a restart (from the store's checkpoint): their
+    /// effects are in the store, so they complete on load without running.
+    done_before: HashSet<u64>,
+}
+
+/// Entries of a retry partition without a final outcome: from the watermark
+/// to the end, minus those final above the watermark.
+pub(crate) fn backlog(retry_end: u64, watermark: u64, final_above: u64) -> u64 {
+    retry_end.saturating_sub(watermark).saturating_sub(final_above)
+}
+
+/// At most this many retry items go to one thread at once: small, because
+/// each may take as long as the processor's latency.
+const RETRY_UNIT_MAX: usize = 16;
+
+/// Keyed, a unit finishes the runs of the keys it started (a failed record
+/// and the records parked behind it, which need no backoff), up to this.
+const RETRY_UNIT_MAX_KEYED: usize = 256;
+
+impl RetryQueue {
+    pub(crate) fn new(start: u64, keyed: bool, window: usize, done_before: Vec<u64>) -> RetryQueue {
+        RetryQueue {
+            seq: Sequencer::new(start),
+            waiting: BTreeMap::new(),
+            busy_keys: HashSet::new(),
+            in_progress: 0,
+            keyed,
+            fetching: false,
+            append_gen: 1,
+            fetched_gen: 0,
+            committed: start,
+            committed_done: 0,
+            pending_sources: BTreeMap::new(),
+            window,
+            done_before: done_before.into_iter().collect(),
+            not_before_ms: 0,
+        }
+    }
+
+    /// The retry offset below which every entry is final.
+    pub(crate) fn watermark(&self) -> u64 {
+        self.seq.watermark()
+    }
+
+    pub(crate) fn committed(&self) -> u64 {
+        self.committed
+    }
+
+    /// Items attempted by threads right now.
+    pub(crate) fn in_progress(&self) -> usize {
+        self.in_progress
+    }
+
+    /// A commit of `offset` with `done` final offsets above it succeeded.
+    pub(crate) fn mark_committed(&mut self, offset: u64, done: usize) {
+        if offset >= self.committed {
+            self.committed = offset;
+            self.committed_done = done;
+        }
+    }
+
+    pub(crate) fn is_fetching(&self) -> bool {
+        self.fetching
+    }
+
+    /// Records were appended to the retry partition.
+    pub(crate) fn notify_append(&mut self) {
+        self.append_gen += 1;
+    }
+
+    /// A read of the retry partition from `fetched_end()`, or None if none is due.
+    pub(crate) fn start_fetch(&mut self) -> Option<(u64, usize, u64)> {
+        if !self.can_fetch() {
+            return None;
+        }
+        self.fetching = true;
+        Some((self.seq.fetched_end(), self.fetch_capacity(), self.append_gen))
+    }
+
+    /// The read started at `generation` ended; `found` records were added (or it failed).
+    pub(crate) fn fetch_ended(&mut self, generation: u64, found: bool) {
+        self.fetching = false;
+        if !found {
+            self.fetched_gen = generation;
+        }
+    }
+
+    /// Whether the position or the final offsets above it moved since the last commit.
+    pub(crate) fn has_uncommitted(&self) -> bool {
+        self.seq.watermark() != self.committed
+            || self.seq.completed_above().len() + self.done_before.len() != self.committed_done
+    }
+
+    /// Final offsets above the watermark, to commit with it: those completed
+    /// since the start, and those final before it that are not loaded yet
+    /// (dropping them from a checkpoint would let a later restart rerun them).
+    pub(crate) fn done_above_watermark(&self) -> Vec<u64> {
+        let mut done = self.seq.completed_above();
+        done.extend(self.done_before.iter().copied());
+        done.sort_unstable();
+        done
+    }
+
+    /// Records in the retry topic without a final outcome (loaded or not).
+    pub(crate) fn backlog(&self, retry_end: u64) -> u64 {
+        backlog(retry_end, self.seq.watermark(), self.final_above())
+    }
+
+    /// Entries above the watermark that are final already.
+    pub(crate) fn final_above(&self) -> u64 {
+        (self.seq.completed_above().len() + self.done_before.len()) as u64
+    }
+
+    fn can_fetch(&self) -> bool {
+        !self.fetching && self.append_gen != self.fetched_gen && self.seq.span() < self.window
+    }
+
+    fn fetch_capacity(&self) -> usize {
+        self.window.saturating_sub(self.seq.span())
+    }
+
+    /// Adds records read from the retry topic, consecutive from `seq.fetched_end()`.
+    pub(crate) fn add_fetched(&mut self, items: Vec<RetryItem>) {
+        self.not_before_ms = 0;
+        self.seq.fetched(items.len());
+        for item in items {
+            if self.done_before.remove(&item.retry_offset) || item.marker {
+                self.seq.complete(item.retry_offset, None, &mut Vec::new());
+                continue;
+            }
+            *self.pending_sources.entry(item.record.offset).or_default() += 1;
+            self.waiting.insert(item.retry_offset, item);
+        }
+    }
+
+    /// The lowest source offset still without a final outcome, if any.
+    pub(crate) fn lowest_pending_source(&self) -> Option<u64> {
+        self.pending_sources.keys().next().copied()
+    }
+
+    /// The earliest due time among waiting items that could start (ignoring time).
+    pub(crate) fn next_due_ms(&self) -> Option<i64> {
+        if self.waiting.is_empty() {
+            return None;
+        }
+        if self.not_before_ms > 0 {
+            return Some(self.not_before_ms).filter(|&t| t < i64::MAX);
+        }
+        let mut seen_keys: HashSet<&Bytes> = HashSet::new();
+        let mut next: Option<i64> = None;
+        for item in self.waiting.values().take(1024) {
+            if let Some(key) = item.record.key.as_ref().filter(|_| self.keyed)
+                && (self.busy_keys.contains(key) || !seen_keys.insert(key))
+            {
+                continue;
+            }
+            next = Some(next.map_or(item.due_ms, |n| n.min(item.due_ms)));
+        }
+        next
+    }
+
+    /// Takes up to a unit's worth of items due at `now_ms` whose source record
+    /// `may_run` (its first outcome is published: a record's outcomes reach
+    /// subscribers in the order they happened). Keyed, only the earliest items
+    /// of a key may run, in order, and never two units of one key at once: a
+    /// unit takes a key's run of due items (a failed record and the records
+    /// parked behind it), so a parked run drains in one pass.
+    pub(crate) fn take_due(&mut self, now_ms: i64, may_run: impl Fn(u64) -> bool) -> Vec<RetryItem> {
+        // Called under the scheduler lock on every pick: skip the scan while
+        // nothing can be due (the cache is dropped whenever the queue changes).
+        if self.waiting.is_empty() || now_ms < self.not_before_ms {
+            return Vec::new();
+        }
+        // Keyed: each key's run of due items, in the order the runs start.
+        // Unkeyed (or keyless): every due item is a run of its own.
+        let mut runs: Vec<Vec<u64>> = Vec::new();
+        let mut run_of: HashMap<&Bytes, usize> = HashMap::new();
+        // Keys that must not take any more items in this pass.
+        let mut stopped: HashSet<&Bytes> = HashSet::new();
+        let mut next_due = i64::MAX;
+        let mut held_back = false;
+        for (&offset, item) in self.waiting.iter().take(1024) {
+            let released = may_run(item.record.offset);
+            held_back |= !released;
+            let due = item.due_ms <= now_ms && released;
+            let key = item.record.key.as_ref().filter(|_| self.keyed);
+            if let Some(key) = key {
+                if self.busy_keys.contains(key) || stopped.contains(key) {
+                    continue;
+                }
+                if !due {
+                    // Later items of the key wait behind this one.
+                    stopped.insert(key);
+                    if !run_of.contains_key(key) {
+                        next_due = next_due.min(item.due_ms);
+                    }
+                    continue;
+                }
+                match run_of.get(key) {
+                    Some(&run) if runs[run].len() < RETRY_UNIT_MAX_KEYED => runs[run].push(offset),
+                    Some(_) => {
+                        stopped.insert(key);
+                    }
+                    None => {
+                        run_of.insert(key, runs.len());
+                        runs.push(vec![offset]);
+                    }
+                }
+            } else if due {
+                runs.push(vec![offset]);
+            } else {
+                next_due = next_due.min(item.due_ms);
+            }
+        }
+        // Whole runs until the unit is full: many short runs share a unit,
+        // while a long one fills a unit of its own and other threads take
+        // the other keys' runs in parallel.
+        let mut taken = Vec::new();
+        for run in runs {
+            if taken.len() >= RETRY_UNIT_MAX {
+                break;
+            }
+            taken.extend(run);
+        }
+        // An item waiting for its first outcome is not due at a known time:
+        // the cache would hide it once released.
+        if taken.is_empty() && !held_back {
+            self.not_before_ms = next_due;
+        }
+        let items: Vec<RetryItem> = taken
+            .into_iter()
+            .filter_map(|offset| self.waiting.remove(&offset))
+            .collect();
+        for item in &items {
+            if self.keyed
+                && let Some(key) = &item.record.key
+            {
+                self.busy_keys.insert(key.clone());
+            }
+        }
+        self.in_progress += items.len();
+        items
+    }
+
+    /// Items back from a thread: `finished` reached a final outcome, `again`
+    /// failed once more and wait for their next attempt.
+    pub(crate) fn complete(&mut self, finished: &[(u64, u64, Option<Bytes>)], again: Vec<RetryItem>) {
+        self.not_before_ms = 0;
+        self.in_progress -= finished.len() + again.len();
+        for (retry_offset, source_offset, key) in finished {
+            if let Some(key) = key {
+                self.busy_keys.remove(key);
+            }
+            if let Some(count) = self.pending_sources.get_mut(source_offset) {
+                *count -= 1;
+                if *count == 0 {
+                    self.pending_sources.remove(source_offset);
+                }
+            }
+            self.seq.complete(*retry_offset, None, &mut Vec::new());
+        }
+        for item in again {
+            if let Some(key) = &item.record.key {
+                self.busy_keys.remove(key);
+            }
+            self.waiting.insert(item.retry_offset, item);
+        }
+    }
+
+    /// Items of a thread that died: back to waiting, unchanged.
+    pub(crate) fn return_items(&mut self, items: Vec<RetryItem>) {
+        self.complete(&[], items);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::retry::tests::{failure, record};
+
+    fn item(key: &str, retry_offset: u64, due_ms: i64) -> RetryItem {
+        RetryItem {
+            retry_offset,
+            record: record(key, 100 + retry_offset),
+            failure: failure(1),
+            due_ms,
+            marker: false,
+        }
+    }
+
+    #[test]
+    fn key_order_runs_only_the_earliest_item_of_a_key() {
+        let mut queue = RetryQueue::new(0, true, 100, vec![]);
+        queue.add_fetched(vec![item("a", 0, 50), item("a", 1, 0), item("b", 2, 0)]);
+        // `a`@1 is due but waits behind `a`@0, which is not due yet.
+        let taken = queue.take_due(10, |_| true);
+        assert_eq!(taken.iter().map(|i| i.retry_offset).collect::<Vec<_>>(), vec![2]);
+        assert_eq!(queue.next_due_ms(), Some(50));
+        // Once `a`@0 is due, the unit takes `a`'s whole due run, in order.
+        let taken = queue.take_due(60, |_| true);
+        assert_eq!(
+            taken.iter().map(|i| i.retry_offset).collect::<Vec<_>>(),
+            vec![0, 1]
+        );
+        assert!(queue.take_due(60, |_| true).is_empty(), "a is busy");
+        // `a`@0 failed again: `a`@1 comes back untouched, still behind it.
+        let mut again = taken[0].clone();
+        again.due_ms = 80;
+        queue.complete(&[], vec![again, taken[1].clone()]);
+        assert!(queue.take_due(70, |_| true).is_empty(), "a@1 waits behind a@0");
+        let taken = queue.take_due(80, |_| true);
+        assert_eq!(
+            taken.iter().map(|i| i.retry_offset).collect::<Vec<_>>(),
+            vec![0, 1]
+        );
+        let a = Some(Bytes::from_static(b"a"));
+        queue.complete(&[(0, 100, a.clone()), (1, 101, a)], vec![]);
+        assert_eq!(queue.watermark(), 2, "offset 2 is still in progress");
+    }
+
+    #[test]
+    fn unordered_items_run_when_due_and_the_watermark_is_the_final_prefix() {
+        let mut queue = RetryQueue::new(10, false, 100, vec![]);
+        queue.add_fetched(vec![item("a", 10, 0), item("a", 11, 0)]);
+        let taken = queue.take_due(0, |_| true);
+        assert_eq!(taken.len(), 2);
+        assert_eq!(queue.lowest_pending_source(), Some(110));
+        let mut again = taken[0].clone();
+        again.due_ms = 99;
+        queue.complete(&[(11, 111, None)], vec![again]);
+        assert_eq!(queue.watermark(), 10);
+        assert_eq!(queue.backlog(12), 1, "11 is final, 10 is not");
+        let taken = queue.take_due(100, |_| true);
+        queue.complete(&[(taken[0].retry_offset, 110, None)], vec![]);
+        assert_eq!(queue.watermark(), 12);
+        assert_eq!(queue.lowest_pending_source(), None);
+        assert_eq!(queue.in_progress, 0);
+    }
+
+    #[test]
+    fn offsets_final_before_a_restart_complete_on_load_without_running() {
+        let mut queue = RetryQueue::new(5, false, 100, vec![6]);
+        queue.add_fetched(vec![item("a", 5, 0), item("b", 6, 0), item("c", 7, 0)]);
+        let taken: Vec<u64> = queue
+            .take_due(0, |_| true)
+            .iter()
+            .map(|i| i.retry_offset)
+            .collect();
+        assert_eq!(taken, vec![5, 7], "6 was final before the restart");
+        queue.complete(&[(7, 107, None)], vec![]);
+        assert_eq!(queue.done_above_watermark(), vec![6, 7]);
+        queue.complete(&[(5, 105, None)], vec![]);
+        assert_eq!(queue.watermark(), 8);
+        assert!(queue.done_above_watermark().is_empty());
+    }
+}

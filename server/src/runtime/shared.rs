@@ -1,0 +1,160 @@
+//! What the stream threads and the `StreamsApp` API share: the config, the
+//! log, the pipelines as they run (fixed after start), the Scheduler behind
+//! its mutex with the condvar threads wait on, the app state, and the commit
+//! plumbing. A std mutex: it is held for a pick or a completion — never
+//! across I/O or a processor call — and threads are OS threads, not tasks.
+
+use super::RuntimeError;
+use super::commit::Committer;
+use super::scheduler::Scheduler;
+use crate::config::{Config, ProcessingOrder, RetryPolicy, StoreKind};
+use crate::log::Log;
+use crate::metadata::{AppState, HostInfo};
+use crate::processor::Processor;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// The result of one commit of one task, reported to the commit callback.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommitReport {
+    pub task_id: String,
+    /// The committed watermark: the next offset a restart resumes from.
+    pub offset: u64,
+    pub result: Result<(), String>,
+}
+
+pub(crate) type CommitCallback = Arc<dyn Fn(&CommitReport) + Send + Sync>;
+
+/// A pipeline as it runs: immutable after start.
+pub(crate) struct PipelineRuntime {
+    pub(crate) name: Arc<str>,
+    pub(crate) topic: Arc<str>,
+    /// Partitions of the source topic (all of them, hosted here or not).
+    pub(crate) partitions: u32,
+    pub(crate) order: ProcessingOrder,
+    pub(crate) threads_per_task: usize,
+    pub(crate) processor: Arc<dyn Processor>,
+    pub(crate) processor_name: String,
+    pub(crate) store_kind: StoreKind,
+    pub(crate) retry_policy: RetryPolicy,
+    pub(crate) retry_topic: Arc<str>,
+    pub(crate) dead_letter_topic: Arc<str>,
+}
+
+pub(crate) struct Shared {
+    pub(crate) config: Config,
+    pub(crate) log: Arc<dyn Log>,
+    pub(crate) host_info: HostInfo,
+    pub(crate) pipelines: Vec<PipelineRuntime>,
+    scheduler: Mutex<Scheduler>,
+    /// Threads with nothing to do wait here; any change that may give them
+    /// work notifies (when the scheduler says someone waits).
+    pub(crate) wake: Condvar,
+    state: AtomicU8,
+    pub(crate) on_commit: Option<CommitCallback>,
+    pub(crate) committer: Committer,
+    /// Serializes shutdown and task removals with each other.
+    pub(crate) membership: Mutex<()>,
+    /// The stream threads started, to join at shutdown.
+    pub(crate) handles: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    /// Stores of tasks that left, by task id, until the last reference to
+    /// them (a commit still being written) is gone: a task added again waits
+    /// for that before it opens its store (a file is opened once at a time).
+    pub(crate) closing: Mutex<Vec<(Arc<str>, std::sync::Weak<super::stores::TaskStore>)>>,
+}
+
+impl Shared {
+    pub(crate) fn new(
+        config: Config,
+        log: Arc<dyn Log>,
+        host_info: HostInfo,
+        pipelines: Vec<PipelineRuntime>,
+        scheduler: Scheduler,
+        on_commit: Option<CommitCallback>,
+    ) -> Shared {
+        Shared {
+            config,
+            log,
+            host_info,
+            pipelines,
+            scheduler: Mutex::new(scheduler),
+            wake: Condvar::new(),
+            state: AtomicU8::new(0),
+            on_commit,
+            committer: Committer::default(),
+            membership: Mutex::new(()),
+            handles: Mutex::new(Vec::new()),
+            closing: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Scheduler> {
+        // A panicking processor never holds this lock, and every scheduler
+        // change completes before the lock is released: poison carries no news.
+        self.scheduler.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Wakes waiting threads if any wait.
+    pub(crate) fn wake_waiters(&self, scheduler: &Scheduler) {
+        if scheduler.has_waiters() {
+            self.wake.notify_all();
+        }
+    }
+
+    pub(crate) fn app_state(&self) -> AppState {
+        match self.state.load(Ordering::Acquire) {
+            0 => AppState::Starting,
+            1 => AppState::Running,
+            2 => AppState::ShuttingDown,
+            _ => AppState::Stopped,
+        }
+    }
+
+    pub(crate) fn set_state(&self, state: AppState) {
+        let value = match state {
+            AppState::Starting => 0,
+            AppState::Running => 1,
+            AppState::ShuttingDown => 2,
+            AppState::Stopped => 3,
+        };
+        self.state.store(value, Ordering::Release);
+    }
+
+    /// Fails unless the app is running: callers get UNAVAILABLE with a retry hint.
+    pub(crate) fn ensure_running(&self) -> Result<(), RuntimeError> {
+        match self.app_state() {
+            AppState::Running => Ok(()),
+            AppState::Starting => Err(RuntimeError::Unavailable {
+                reason: "the instance is starting (restoring its state stores)".to_string(),
+                retry_after: Duration::from_millis(200),
+            }),
+            AppState::ShuttingDown | AppState::Stopped => Err(RuntimeError::shutting_down()),
+        }
+    }
+
+    pub(crate) fn pipeline_index(&self, store: &str) -> Result<usize, RuntimeError> {
+        if store.is_empty() {
+            return Err(RuntimeError::invalid_argument("store", "must not be empty"));
+        }
+        self.pipelines
+            .iter()
+            .position(|p| &*p.name == store)
+            .ok_or_else(|| RuntimeError::UnknownStore(store.to_string()))
+    }
+
+    /// Backoff before attempt `attempts + 1`, jittered by `seed`.
+    pub(crate) fn backoff(&self, attempts: u32, seed: u64) -> Duration {
+        super::retry::backoff(
+            attempts,
+            self.config.retry_backoff_ms,
+            self.config.retry_backoff_max_ms,
+            seed ^ u64::from(attempts).rotate_left(32),
+        )
+    }
+
+    pub(crate) fn processing_timeout(&self) -> Option<Duration> {
+        (self.config.processing_timeout_ms > 0)
+            .then(|| Duration::from_millis(self.config.processing_timeout_ms))
+    }
+}

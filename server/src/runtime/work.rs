@@ -1,0 +1,480 @@
+//! The work of one task waiting to run: fetched records cut into units that
+//! threads take. With one thread per task, or in `unordered` order, units are
+//! contiguous ranges; with several threads in `offset` or `key` order they are
+//! cut from key lanes (records of one key share a lane, and a lane runs one
+//! unit at a time), so records of one key never run at once and run in offset
+//! order. The key gate lives here too: keys with a record on the retry path,
+//! whose later records wait behind it — parked on the retry topic, or, in
+//! `key` order, held here in memory up to a budget.
+
+use crate::log::Record;
+use bytes::Bytes;
+use std::collections::{HashMap, VecDeque};
+
+/// A fetch is cut into this many ranges per thread of the task, so the tail
+/// of a fetch is shared by every thread instead of left to a few long ranges.
+const RANGES_PER_THREAD: usize = 16;
+
+/// Key lanes per thread of the task: many, so keys spread finely and no lane
+/// is much longer than the average (a lane runs one unit at a time).
+const LANES_PER_THREAD: usize = 16;
+
+/// At most this many lanes, whatever T: beyond it, lanes cost more to scan
+/// than they gain in spread.
+const MAX_LANES: usize = 4096;
+
+/// A unit takes at most 1/(this × T) of the queued records, so as the queue
+/// drains units shrink and the last ones are shared by every thread.
+const TAIL_SHARE: usize = 4;
+
+/// How records whose key waits behind a record on the retry path are kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Gating {
+    /// No key waits (`unordered`, or the `blocking` retry policy).
+    Off,
+    /// They are parked on the retry topic, behind the failed record (`offset`
+    /// order, where holding a record would hold every later outcome too).
+    Park,
+    /// They are held here in memory up to the budget, parked beyond it (`key`).
+    Hold,
+}
+
+/// A unit of work: records one thread processes in order, then completes at once.
+#[derive(Debug)]
+pub(crate) struct WorkUnit {
+    pub(crate) records: Vec<Record>,
+    /// Indices of `records` to park on the retry topic instead of processing.
+    pub(crate) park: Vec<usize>,
+    /// The lane the records came from (busy until the unit comes back).
+    pub(crate) lane: Option<usize>,
+}
+
+impl WorkUnit {
+    pub(crate) fn parks(&self, index: usize) -> bool {
+        !self.park.is_empty() && self.park.contains(&index)
+    }
+}
+
+/// `key` order: records of the keys that hash to this lane, in offset order.
+#[derive(Default)]
+struct Lane {
+    queue: VecDeque<Record>,
+    busy: bool,
+}
+
+enum Units {
+    Ranges(VecDeque<Vec<Record>>),
+    Lanes { lanes: Vec<Lane>, cursor: usize },
+}
+
+/// Keys with records on the retry path, and (`Hold`) their later records kept here.
+#[derive(Default)]
+struct KeyGate {
+    keys: HashMap<Bytes, GateEntry>,
+    held_records: usize,
+}
+
+#[derive(Default)]
+struct GateEntry {
+    /// Entries of the key in the retry topic without a final outcome.
+    on_retry_path: u32,
+    /// Later records of the key, in offset order, not yet run.
+    held: VecDeque<Record>,
+}
+
+pub(crate) struct WorkQueue {
+    units: Units,
+    /// Records in ranges or lanes (not held, not taken).
+    queued: usize,
+    gate: KeyGate,
+    gating: Gating,
+    /// Records the gate may hold before keys are parked on the retry topic.
+    hold_budget: usize,
+    threads_per_task: usize,
+    max_batch_records: usize,
+    /// Lanes: take the lane whose first record is oldest (outcomes are released
+    /// in offset order), rather than the longest one.
+    oldest_first: bool,
+}
+
+impl WorkQueue {
+    /// Work cut into ranges (`lanes == false`) or key lanes.
+    pub(crate) fn new(
+        lanes: bool,
+        oldest_first: bool,
+        gating: Gating,
+        threads_per_task: usize,
+        max_batch_records: usize,
+        hold_budget: usize,
+    ) -> WorkQueue {
+        let units = if lanes {
+            let count = (threads_per_task * LANES_PER_THREAD).min(MAX_LANES);
+            Units::Lanes {
+                lanes: (0..count).map(|_| Lane::default()).collect(),
+                cursor: 0,
+            }
+        } else {
+            Units::Ranges(VecDeque::new())
+        };
+        WorkQueue {
+            units,
+            queued: 0,
+            gate: KeyGate::default(),
+            gating,
+            hold_budget,
+            threads_per_task,
+            max_batch_records: max_batch_records.max(1),
+            oldest_first,
+        }
+    }
+
+    pub(crate) fn gating(&self) -> Gating {
+        self.gating
+    }
+
+    /// Records waiting in ranges or lanes.
+    pub(crate) fn queued(&self) -> usize {
+        self.queued
+    }
+
+    /// Records the gate holds in memory.
+    #[cfg(test)]
+    pub(crate) fn held(&self) -> usize {
+        self.gate.held_records
+    }
+
+    /// Adds fetched records (consecutive, in offset order) as work.
+    pub(crate) fn push_fetched(&mut self, records: Vec<Record>) {
+        self.queued += records.len();
+        match &mut self.units {
+            Units::Ranges(ranges) => {
+                let divisor = if self.threads_per_task == 1 {
+                    1
+                } else {
+                    self.threads_per_task * RANGES_PER_THREAD
+                };
+                let size = records.len().div_ceil(divisor).clamp(1, self.max_batch_records);
+                let mut records = records.into_iter().peekable();
+                while records.peek().is_some() {
+                    ranges.push_back(records.by_ref().take(size).collect());
+                }
+            }
+            Units::Lanes { lanes, .. } => {
+                let n = lanes.len();
+                for record in records {
+                    let lane = lane_of(&record, n);
+                    lanes[lane].queue.push_back(record);
+                }
+            }
+        }
+    }
+
+    /// Units that could start now (ignoring the task's thread limit).
+    pub(crate) fn startable_units(&self) -> usize {
+        match &self.units {
+            Units::Ranges(ranges) => ranges.len(),
+            Units::Lanes { lanes, .. } => lanes.iter().filter(|l| !l.busy && !l.queue.is_empty()).count(),
+        }
+    }
+
+    /// Cuts the next unit. Records of gated keys are marked for parking or,
+    /// in `key` order, moved to the gate while its budget lasts.
+    pub(crate) fn take_unit(&mut self) -> Option<WorkUnit> {
+        // As the queue drains units shrink, so the tail is shared by every thread.
+        let cap = self
+            .queued
+            .div_ceil(self.threads_per_task * TAIL_SHARE)
+            .clamp(1, self.max_batch_records);
+        let mut unit = match &mut self.units {
+            Units::Ranges(ranges) => {
+                let mut records = ranges.pop_front()?;
+                if self.threads_per_task > 1 && records.len() > cap {
+                    let rest = records.split_off(cap);
+                    ranges.push_front(rest);
+                }
+                self.queued -= records.len();
+                WorkUnit {
+                    records,
+                    park: Vec::new(),
+                    lane: None,
+                }
+            }
+            Units::Lanes { lanes, cursor } => {
+                let n = lanes.len();
+                let candidates = (0..n)
+                    .map(|i| (*cursor + i) % n)
+                    .filter(|&i| !lanes[i].busy && !lanes[i].queue.is_empty());
+                let lane = if self.oldest_first {
+                    candidates.min_by_key(|&i| lanes[i].queue.front().map_or(u64::MAX, |r| r.offset))?
+                } else {
+                    // Longest first: lanes are serial, so the longest decides
+                    // when the task finishes (LPT); ties go round the cursor.
+                    candidates
+                        .max_by_key(|&i| (lanes[i].queue.len(), std::cmp::Reverse((i + n - *cursor) % n)))?
+                };
+                *cursor = (lane + 1) % n;
+                let queue = &mut lanes[lane].queue;
+                let mut records = Vec::with_capacity(cap.min(queue.len()));
+                let mut park = Vec::new();
+                while records.len() < cap {
+                    let Some(record) = queue.pop_front() else { break };
+                    self.queued -= 1;
+                    let gated = self.gating != Gating::Off
+                        && !self.gate.keys.is_empty()
+                        && record
+                            .key
+                            .as_ref()
+                            .is_some_and(|k| self.gate.keys.contains_key(k));
+                    if !gated {
+                        records.push(record);
+                        continue;
+                    }
+                    let key = record.key.clone().unwrap_or_default();
+                    if self.gating == Gating::Hold && self.gate.held_records < self.hold_budget {
+                        self.gate.hold(&key, record);
+                        continue;
+                    }
+                    // Parked on the retry topic, behind whatever the gate held of
+                    // the key, so the key's records stay in offset order there.
+                    for held in self.gate.take_held(&key) {
+                        park.push(records.len());
+                        records.push(held);
+                    }
+                    park.push(records.len());
+                    records.push(record);
+                }
+                if records.is_empty() {
+                    // Everything was held: the lane stays free for what comes next.
+                    return self.take_unit();
+                }
+                lanes[lane].busy = true;
+                WorkUnit {
+                    records,
+                    park,
+                    lane: Some(lane),
+                }
+            }
+        };
+        if self.gating != Gating::Off && unit.lane.is_none() && !self.gate.keys.is_empty() {
+            unit.park = (0..unit.records.len())
+                .filter(|&i| {
+                    unit.records[i]
+                        .key
+                        .as_ref()
+                        .is_some_and(|k| self.gate.keys.contains_key(k))
+                })
+                .collect();
+        }
+        Some(unit)
+    }
+
+    /// Takes a unit back: its thread died (`returned` is the whole unit) or
+    /// stopped early (`returned` is what it did not run). The records go back
+    /// to the front, so they still run before anything fetched after them.
+    pub(crate) fn give_back(&mut self, lane: Option<usize>, returned: Vec<Record>) {
+        self.queued += returned.len();
+        match (&mut self.units, lane) {
+            (Units::Lanes { lanes, .. }, Some(lane)) => {
+                let lane = &mut lanes[lane];
+                lane.busy = false;
+                for record in returned.into_iter().rev() {
+                    lane.queue.push_front(record);
+                }
+            }
+            (Units::Ranges(ranges), _) => {
+                if !returned.is_empty() {
+                    ranges.push_front(returned);
+                }
+            }
+            (Units::Lanes { .. }, None) => debug_assert!(returned.is_empty(), "a lane unit without its lane"),
+        }
+    }
+
+    /// `key` now has one more entry on the retry path.
+    pub(crate) fn gate_key(&mut self, key: &Bytes) {
+        if self.gating != Gating::Off {
+            self.gate.keys.entry(key.clone()).or_default().on_retry_path += 1;
+        }
+    }
+
+    /// One entry of `key` on the retry path reached its final outcome. When
+    /// it was the last, the key opens and its held records go back to the
+    /// front of its lane, ahead of any later record of the key.
+    pub(crate) fn ungate_key(&mut self, key: &[u8]) {
+        let Some(entry) = self.gate.keys.get_mut(key) else {
+            return;
+        };
+        entry.on_retry_path = entry.on_retry_path.saturating_sub(1);
+        if entry.on_retry_path > 0 {
+            return;
+        }
+        let Some(entry) = self.gate.keys.remove(key) else {
+            return;
+        };
+        self.gate.held_records -= entry.held.len();
+        if let Units::Lanes { lanes, .. } = &mut self.units {
+            self.queued += entry.held.len();
+            let n = lanes.len();
+            for record in entry.held.into_iter().rev() {
+                let lane = lane_of(&record, n);
+                lanes[lane].queue.push_front(record);
+            }
+        }
+    }
+
+    /// Drops every record not taken (the task is being removed: they will be
+    /// fetched again by whoever resumes at the watermark). Answers how many.
+    pub(crate) fn clear(&mut self) -> usize {
+        let dropped = self.queued + self.gate.held_records;
+        match &mut self.units {
+            Units::Ranges(ranges) => ranges.clear(),
+            Units::Lanes { lanes, .. } => lanes.iter_mut().for_each(|l| l.queue.clear()),
+        }
+        for entry in self.gate.keys.values_mut() {
+            entry.held.clear();
+        }
+        self.gate.held_records = 0;
+        self.queued = 0;
+        dropped
+    }
+}
+
+impl KeyGate {
+    fn hold(&mut self, key: &Bytes, record: Record) {
+        if let Some(entry) = self.keys.get_mut(key) {
+            entry.held.push_back(record);
+            self.held_records += 1;
+        }
+    }
+
+    fn take_held(&mut self, key: &Bytes) -> VecDeque<Record> {
+        let held = self
+            .keys
+            .get_mut(key)
+            .map(|entry| std::mem::take(&mut entry.held))
+            .unwrap_or_default();
+        self.held_records -= held.len();
+        held
+    }
+}
+
+/// The lane of a record: by key, so one key always shares one lane; records
+/// without a key have no order to keep and are spread by offset.
+fn lane_of(record: &Record, lanes: usize) -> usize {
+    match record.key.as_deref() {
+        Some(key) => crate::log::murmur2(key) as u32 as usize % lanes,
+        None => record.offset as usize % lanes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(key: &str, offset: u64) -> Record {
+        Record {
+            partition: 0,
+            offset,
+            timestamp_ms: 0,
+            key: Some(Bytes::copy_from_slice(key.as_bytes())),
+            value: Bytes::new(),
+            headers: vec![],
+        }
+    }
+
+    fn offsets(unit: &WorkUnit) -> Vec<u64> {
+        unit.records.iter().map(|r| r.offset).collect()
+    }
+
+    #[test]
+    fn one_thread_takes_whole_fetches_as_ranges_in_order() {
+        let mut work = WorkQueue::new(false, false, Gating::Park, 1, 500, 0);
+        work.push_fetched((0..10).map(|o| record("k", o)).collect());
+        work.push_fetched((10..12).map(|o| record("k", o)).collect());
+        let first = work.take_unit().unwrap();
+        assert_eq!(offsets(&first), (0..10).collect::<Vec<_>>());
+        // It stopped after three records: the rest comes back first.
+        work.give_back(None, first.records[3..].to_vec());
+        assert_eq!(offsets(&work.take_unit().unwrap()), (3..10).collect::<Vec<_>>());
+        assert_eq!(offsets(&work.take_unit().unwrap()), vec![10, 11]);
+        assert!(work.take_unit().is_none());
+    }
+
+    #[test]
+    fn a_lane_runs_one_unit_at_a_time_and_a_key_never_leaves_its_lane() {
+        let mut work = WorkQueue::new(true, false, Gating::Hold, 2, 500, 100);
+        work.push_fetched(
+            (0..64)
+                .map(|o| record(if o % 2 == 0 { "a" } else { "b" }, o))
+                .collect(),
+        );
+        let mut taken = Vec::new();
+        while let Some(unit) = work.take_unit() {
+            let keys: std::collections::HashSet<_> = unit.records.iter().map(|r| r.key.clone()).collect();
+            assert_eq!(keys.len(), 1, "one key per lane here");
+            taken.push(unit);
+        }
+        assert!(taken.len() <= 2, "each lane is busy while its unit runs");
+        for unit in taken {
+            let lane = unit.lane;
+            work.give_back(lane, Vec::new());
+        }
+        assert!(work.take_unit().is_some(), "lanes are free again");
+    }
+
+    #[test]
+    fn key_order_holds_a_gated_keys_records_and_releases_them_first() {
+        let mut work = WorkQueue::new(true, false, Gating::Hold, 2, 500, 100);
+        work.gate_key(&Bytes::from_static(b"a"));
+        work.push_fetched(vec![record("a", 0), record("a", 1)]);
+        assert!(work.take_unit().is_none(), "both held");
+        assert_eq!((work.held(), work.queued()), (2, 0));
+        work.push_fetched(vec![record("a", 5)]);
+        work.ungate_key(b"a");
+        assert_eq!(work.held(), 0);
+        let (taken, parked) = drain(&mut work);
+        assert_eq!(taken, vec![0, 1, 5]);
+        assert!(parked.is_empty());
+    }
+
+    /// Takes every unit (giving each back done): offsets in order taken, and those to park.
+    fn drain(work: &mut WorkQueue) -> (Vec<u64>, Vec<u64>) {
+        let (mut taken, mut parked) = (Vec::new(), Vec::new());
+        while let Some(unit) = work.take_unit() {
+            taken.extend(offsets(&unit));
+            parked.extend(unit.park.iter().map(|&i| unit.records[i].offset));
+            work.give_back(unit.lane, Vec::new());
+        }
+        (taken, parked)
+    }
+
+    #[test]
+    fn past_the_budget_a_key_is_parked_with_what_it_held_in_order() {
+        let mut work = WorkQueue::new(true, false, Gating::Hold, 2, 500, 1);
+        work.gate_key(&Bytes::from_static(b"a"));
+        work.push_fetched(vec![record("a", 0), record("a", 1), record("a", 2)]);
+        let (taken, parked) = drain(&mut work);
+        assert_eq!(taken, vec![0, 1]);
+        assert_eq!(parked, vec![0, 1]);
+        // The budget is free again: the next record is held, behind the
+        // parked ones (the gate opens only when all of them are final).
+        assert_eq!(work.held(), 1);
+    }
+
+    #[test]
+    fn offset_order_marks_gated_records_for_parking() {
+        for lanes in [false, true] {
+            let mut work = WorkQueue::new(lanes, true, Gating::Park, if lanes { 2 } else { 1 }, 500, 0);
+            work.gate_key(&Bytes::from_static(b"a"));
+            work.push_fetched(vec![record("a", 0)]);
+            work.push_fetched(vec![record("b", 1)]);
+            let mut parked = Vec::new();
+            while let Some(unit) = work.take_unit() {
+                parked.extend(unit.park.iter().map(|&i| unit.records[i].offset));
+                let lane = unit.lane;
+                work.give_back(lane, Vec::new());
+            }
+            assert_eq!(parked, vec![0], "lanes: {lanes}");
+        }
+    }
+}

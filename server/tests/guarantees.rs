@@ -1,0 +1,316 @@
+//! What the runtime promises beyond throughput: records of one key run in
+//! offset order with several threads (`offset` and `key` order), a failed
+//! attempt leaves no writes, outcomes flow while records are slow, errors
+//! of commits and fetches are reported or retried, never swallowed.
+
+use bytes::Bytes;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+use taskstream_server::scratch::scratch_dir;
+use taskstream_server::*;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn config(n: usize, t: usize, order: ProcessingOrder, processor: &str) -> Config {
+    Config {
+        application_id: "promises".into(),
+        num_stream_threads: n,
+        num_threads_per_task: t,
+        processing_order: order,
+        commit_interval_ms: 50,
+        retry_backoff_ms: 2,
+        retry_backoff_max_ms: 20,
+        pipelines: vec![PipelineConfig {
+            name: "p".into(),
+            source_topic: "in".into(),
+            partitions: Some(1),
+            processor: ProcessorSpec::Custom {
+                name: processor.into(),
+            },
+            num_threads_per_task: None,
+            processing_order: None,
+            store: None,
+            retry_policy: None,
+        }],
+        ..Config::default()
+    }
+}
+
+/// A pseudo-random draw in [0, 1) from an offset.
+fn draw(offset: u64) -> f64 {
+    let mut x = offset.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (x >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// `latest` with a random latency of up to a millisecond per record.
+fn slow_latest() -> Arc<dyn Processor> {
+    Arc::new(|record: &Record, ctx: &ProcessorContext<'_>| {
+        std::thread::sleep(Duration::from_micros((draw(record.offset) * 1_000.0) as u64));
+        if let Some(key) = &record.key {
+            ctx.store.put(key.clone(), record.value.clone())?;
+        }
+        Ok(())
+    })
+}
+
+#[test]
+fn with_eight_threads_every_key_ends_at_its_highest_offsets_value() {
+    for order in [ProcessingOrder::Offset, ProcessingOrder::Key] {
+        let app = StreamsApp::builder(config(8, 8, order, "latest"))
+            .processor("latest", slow_latest())
+            .start()
+            .unwrap();
+        let records: Vec<ProducerRecord> = (0..2_000)
+            .map(|i| ProducerRecord::keyed(format!("k{}", i % 20), format!("{i}")))
+            .collect();
+        app.produce("in", records).unwrap();
+        assert!(app.wait_until_caught_up(WAIT));
+        for k in 0..20 {
+            let highest = (0..2_000).filter(|i| i % 20 == k).max().unwrap();
+            assert_eq!(
+                app.get("p", format!("k{k}").as_bytes()).unwrap().unwrap(),
+                highest.to_string(),
+                "k{k} in {order} order"
+            );
+        }
+    }
+}
+
+/// Increments its key, then fails the first attempt of every seventh record
+/// (an error, a panic or a timeout, in turn).
+fn increment_then_fail(timeout: Duration) -> Arc<dyn Processor> {
+    Arc::new(move |record: &Record, ctx: &ProcessorContext<'_>| {
+        let key = record.key.clone().unwrap_or_default();
+        ctx.store.update(&key, &mut |old| {
+            let n: u64 = old.map_or(0, |v| std::str::from_utf8(v).unwrap().parse().unwrap());
+            Some(Bytes::from((n + 1).to_string()))
+        })?;
+        if ctx.attempt == 1 && record.offset.is_multiple_of(7) {
+            match (record.offset / 7) % 3 {
+                0 => return Err(ProcessError::new("AfterWrite", "failed after its write")),
+                1 => panic!("panicked after its write"),
+                _ => std::thread::sleep(timeout * 2),
+            }
+        }
+        Ok(())
+    })
+}
+
+#[test]
+fn a_failed_attempt_leaves_no_writes_so_counters_are_exact_after_retries() {
+    for (order, t, persistent) in [
+        (ProcessingOrder::Key, 4, false),
+        (ProcessingOrder::Offset, 4, true),
+        (ProcessingOrder::Unordered, 4, false),
+        (ProcessingOrder::Offset, 1, true),
+    ] {
+        let dir = scratch_dir("attempts").unwrap();
+        let mut cfg = config(4, t, order, "flaky");
+        cfg.processing_timeout_ms = 20;
+        if persistent {
+            cfg.data_dir = Some(dir.path().to_path_buf());
+        }
+        let app = StreamsApp::builder(cfg)
+            .processor("flaky", increment_then_fail(Duration::from_millis(20)))
+            .start()
+            .unwrap();
+        let mut expected: BTreeMap<String, u64> = BTreeMap::new();
+        let records: Vec<ProducerRecord> = (0..700)
+            .map(|i| {
+                let key = format!("k{}", i % 9);
+                *expected.entry(key.clone()).or_default() += 1;
+                ProducerRecord::keyed(key, "x")
+            })
+            .collect();
+        app.produce("in", records).unwrap();
+        assert!(
+            app.wait_until_caught_up(WAIT),
+            "{order} order: {:#?}",
+            app.describe()
+        );
+        for (key, count) in &expected {
+            let value = app.get("p", key.as_bytes()).unwrap().unwrap();
+            assert_eq!(
+                value,
+                count.to_string(),
+                "{key} in {order} order, T = {t}, persistent {persistent}"
+            );
+        }
+        let failed = app.describe().tasks[0].records_failed;
+        if order == ProcessingOrder::Unordered {
+            // Records of one key run at once here: an update waiting on its
+            // key past its deadline fails too, and is retried like any failure.
+            assert!(failed >= 100, "{failed}");
+        } else {
+            assert_eq!(failed, 100, "every seventh record failed once, nothing else");
+        }
+        if order == ProcessingOrder::Key {
+            let retry = app.read_topic("promises-p-retry", 0, 0, 10_000).unwrap();
+            assert_eq!(
+                retry.records.len(),
+                100,
+                "key order holds parked records in memory"
+            );
+        }
+    }
+}
+
+#[test]
+fn with_slow_records_outcomes_flow_before_a_whole_batch_is_done() {
+    let slow = Arc::new(|_: &Record, _: &ProcessorContext<'_>| {
+        std::thread::sleep(Duration::from_millis(50));
+        Ok(())
+    });
+    let mut cfg = config(1, 1, ProcessingOrder::Offset, "slow");
+    cfg.max_batch_ms = 100;
+    let app = StreamsApp::builder(cfg).processor("slow", slow).start().unwrap();
+    let mut subscription = app
+        .subscribe(
+            "p",
+            SubscribeRequest {
+                start: StartAt::Earliest,
+                ..SubscribeRequest::default()
+            },
+        )
+        .unwrap();
+    app.produce(
+        "in",
+        (0..40)
+            .map(|i| ProducerRecord::keyed("k", format!("{i}")))
+            .collect(),
+    )
+    .unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let first = runtime.block_on(async {
+        match tokio::time::timeout(WAIT, subscription.next()).await.unwrap() {
+            Some(Ok(SubscriptionEvent::Batch(batch))) => batch,
+            other => panic!("{other:?}"),
+        }
+    });
+    // The unit of 40 records (2 s) was cut at about 100 ms: a few records.
+    assert!(
+        first.records.len() < 10,
+        "{} records in the first batch",
+        first.records.len()
+    );
+}
+
+/// A log whose commits fail, or whose first reads fail.
+struct FaultyLog {
+    inner: Arc<MemoryLog>,
+    fail_commits: bool,
+    failing_reads: AtomicUsize,
+}
+
+impl Log for FaultyLog {
+    fn ensure_topic(&self, topic: &str, partitions: u32) -> Result<(), LogError> {
+        self.inner.ensure_topic(topic, partitions)
+    }
+    fn partitions(&self, topic: &str) -> Result<u32, LogError> {
+        self.inner.partitions(topic)
+    }
+    fn append(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<Vec<RecordPosition>, LogError> {
+        self.inner.append(topic, records)
+    }
+    fn read(
+        &self,
+        topic: &str,
+        partition: u32,
+        offset: u64,
+        max: usize,
+        out: &mut Vec<Record>,
+    ) -> Result<(), LogError> {
+        if topic == "in"
+            && self
+                .failing_reads
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+        {
+            return Err(LogError::Unavailable("injected read failure".into()));
+        }
+        self.inner.read(topic, partition, offset, max, out)
+    }
+    fn end_offset(&self, topic: &str, partition: u32) -> Result<u64, LogError> {
+        self.inner.end_offset(topic, partition)
+    }
+    fn start_offset(&self, topic: &str, partition: u32) -> Result<u64, LogError> {
+        self.inner.start_offset(topic, partition)
+    }
+    fn commit(&self, group: &str, topic: &str, partition: u32, offset: u64) -> Result<(), LogError> {
+        if self.fail_commits {
+            return Err(LogError::Unavailable("injected commit failure".into()));
+        }
+        self.inner.commit(group, topic, partition, offset)
+    }
+    fn committed(&self, group: &str, topic: &str, partition: u32) -> Result<Option<u64>, LogError> {
+        self.inner.committed(group, topic, partition)
+    }
+    fn add_append_listener(&self, listener: log::AppendListener) {
+        self.inner.add_append_listener(listener)
+    }
+    fn enforce_retention(
+        &self,
+        topic: &str,
+        partition: u32,
+        retention: Retention,
+        keep_from: u64,
+        now_ms: i64,
+    ) -> Result<u64, LogError> {
+        self.inner
+            .enforce_retention(topic, partition, retention, keep_from, now_ms)
+    }
+}
+
+fn faulty(fail_commits: bool, failing_reads: usize) -> Arc<FaultyLog> {
+    Arc::new(FaultyLog {
+        inner: MemoryLog::new(),
+        fail_commits,
+        failing_reads: AtomicUsize::new(failing_reads),
+    })
+}
+
+#[test]
+fn shutdown_reports_the_commits_that_failed() {
+    let mut cfg = config(1, 1, ProcessingOrder::Offset, "count");
+    cfg.pipelines[0].processor = ProcessorSpec::Count;
+    cfg.commit_interval_ms = 60_000;
+    let app = StreamsApp::builder(cfg).log(faulty(true, 0)).start().unwrap();
+    app.produce("in", vec![ProducerRecord::keyed("k", "1")]).unwrap();
+    assert!(app.wait_until_caught_up(WAIT));
+    match app.shutdown() {
+        Err(RuntimeError::CommitFailed(failures)) => {
+            assert_eq!(failures.len(), 1);
+            assert!(failures[0].starts_with("p_0: "), "{failures:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_failed_fetch_is_retried_without_waiting_for_the_next_append() {
+    let mut cfg = config(1, 1, ProcessingOrder::Offset, "count");
+    cfg.pipelines[0].processor = ProcessorSpec::Count;
+    let app = StreamsApp::builder(cfg).log(faulty(false, 3)).start().unwrap();
+    app.produce("in", (0..10).map(|_| ProducerRecord::keyed("k", "1")).collect())
+        .unwrap();
+    assert!(app.wait_until_caught_up(WAIT), "{:#?}", app.describe());
+    assert_eq!(app.get("p", b"k").unwrap().unwrap(), "10");
+}
+
+#[test]
+fn a_store_error_fails_the_record_with_its_own_kind() {
+    let error: ProcessError = StoreError {
+        path: "s.redb".into(),
+        message: "disk full".into(),
+    }
+    .into();
+    assert_eq!(error.kind, "StoreError");
+    assert!(error.message.contains("disk full"));
+}
