@@ -246,7 +246,7 @@ fn parking_probe(ctx: &Ctx) -> anyhow::Result<Table> {
     let time_ratio = seconds / base_seconds;
     let detour_ratio = detour as f64 / failing.max(1) as f64;
     let mut table = Table::new(
-        &format!(
+        format!(
             "`key` order, records of a key behind a failed one: {} records, {} keys, {} % failing once, \
              durable log (redb), no processing latency, T = {T}, N = {N}, `retry_backoff_ms = {BACKOFF_MS}`; \
              seconds until every record is final and the retry topic drained",

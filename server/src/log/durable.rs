@@ -217,7 +217,12 @@ enum Op {
     Append {
         topic: String,
         records: Vec<Encoded>,
+        /// Made durable before the reply (`append`), or left to a later
+        /// durable commit (`append_unflushed`).
+        durable: bool,
     },
+    /// Makes everything written so far durable.
+    Flush,
     Commit {
         group: String,
         topic: String,
@@ -421,6 +426,66 @@ impl RedbLog {
             log_id: log_id.to_string(),
         })
         .map(drop)
+    }
+
+    /// `Log::append`, durable before it returns or (`durable == false`) left to the next
+    /// durable commit.
+    fn append_with(
+        &self,
+        topic: &str,
+        records: Vec<ProducerRecord>,
+        durable: bool,
+    ) -> Result<Vec<RecordPosition>, LogError> {
+        let mirror = self.shared.topic(topic)?;
+        if records.is_empty() {
+            return Ok(Vec::new());
+        }
+        let count = mirror.partitions.len() as u32;
+        let now = now_ms();
+        let mut encoded = Vec::with_capacity(records.len());
+        // Route and encode every record before submitting, so a bad partition rejects the
+        // whole batch and the writer thread only has bytes to insert.
+        for record in &records {
+            let partition = match (record.partition, &record.key) {
+                (Some(p), _) => {
+                    mirror.partition(topic, p)?;
+                    p
+                }
+                // A topic created with no partition has nowhere to put the record.
+                (None, _) if count == 0 => {
+                    return Err(LogError::UnknownPartition {
+                        topic: topic.to_string(),
+                        partition: 0,
+                        partitions: 0,
+                    });
+                }
+                (None, Some(key)) => partition_for_key(key, count),
+                (None, None) => mirror.next_unkeyed.fetch_add(1, Ordering::Relaxed) % count,
+            };
+            encoded.push(Encoded {
+                partition,
+                data: encode(record, record.timestamp_ms.unwrap_or(now)),
+                size: record_size(record.key.as_deref(), &record.value, &record.headers),
+            });
+        }
+        drop(records);
+        let Reply::Positions(positions) = self.submit(Op::Append {
+            topic: topic.to_string(),
+            records: encoded,
+            durable,
+        })?
+        else {
+            return Err(LogError::Unavailable(
+                "unexpected reply from the log writer".into(),
+            ));
+        };
+        let mut touched: Vec<u32> = positions.iter().map(|p| p.partition).collect();
+        touched.sort_unstable();
+        touched.dedup();
+        for partition in touched {
+            self.shared.notify(topic, partition);
+        }
+        Ok(positions)
     }
 
     /// Hands `op` to the writer thread and waits until it is durable (or failed).
@@ -873,9 +938,18 @@ impl Writer {
             .as_ref()
             .ok_or_else(|| LogError::Unavailable(REOPENING.into()))?;
         let mut txn = db.begin_write().map_err(|e| self.shared.fault(e))?;
-        // redb's default, stated because callers are told "durable" the moment commit returns.
-        txn.set_durability(Durability::Immediate)
-            .map_err(|e| self.shared.fault(e))?;
+        // Callers are told "durable" the moment commit returns, unless every request of the
+        // group asked for an unflushed append: then the commit skips its fsync, and the next
+        // durable commit (a flush, a committed offset, any durable append) persists it too.
+        let unflushed = group
+            .iter()
+            .all(|r| matches!(r.op, Op::Append { durable: false, .. }));
+        let durability = if unflushed {
+            Durability::None
+        } else {
+            Durability::Immediate
+        };
+        txn.set_durability(durability).map_err(|e| self.shared.fault(e))?;
         let mut results = Vec::with_capacity(group.len());
         for request in group {
             match self.apply(&txn, &request.op, pending) {
@@ -922,7 +996,7 @@ impl Writer {
                 pending.dirty = true;
                 Ok(Reply::Done)
             }
-            Op::Append { topic, records } => {
+            Op::Append { topic, records, .. } => {
                 let mirror = self.shared.topic(topic)?;
                 for record in records {
                     mirror.partition(topic, record.partition)?;
@@ -1048,6 +1122,11 @@ impl Writer {
                 Ok(Reply::Start(new_start))
             }
             Op::Heal => Ok(Reply::Done),
+            Op::Flush => {
+                // An empty durable commit persists the unflushed ones before it.
+                pending.dirty = true;
+                Ok(Reply::Done)
+            }
             Op::SetLogId { log_id } => {
                 txn.open_table(IDENTITY)
                     .and_then(|mut t| {
@@ -1122,55 +1201,19 @@ impl Log for RedbLog {
     }
 
     fn append(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<Vec<RecordPosition>, LogError> {
-        let mirror = self.shared.topic(topic)?;
-        if records.is_empty() {
-            return Ok(Vec::new());
-        }
-        let count = mirror.partitions.len() as u32;
-        let now = now_ms();
-        let mut encoded = Vec::with_capacity(records.len());
-        // Route and encode every record before submitting, so a bad partition rejects the
-        // whole batch and the writer thread only has bytes to insert.
-        for record in &records {
-            let partition = match (record.partition, &record.key) {
-                (Some(p), _) => {
-                    mirror.partition(topic, p)?;
-                    p
-                }
-                // A topic created with no partition has nowhere to put the record.
-                (None, _) if count == 0 => {
-                    return Err(LogError::UnknownPartition {
-                        topic: topic.to_string(),
-                        partition: 0,
-                        partitions: 0,
-                    });
-                }
-                (None, Some(key)) => partition_for_key(key, count),
-                (None, None) => mirror.next_unkeyed.fetch_add(1, Ordering::Relaxed) % count,
-            };
-            encoded.push(Encoded {
-                partition,
-                data: encode(record, record.timestamp_ms.unwrap_or(now)),
-                size: record_size(record.key.as_deref(), &record.value, &record.headers),
-            });
-        }
-        drop(records);
-        let Reply::Positions(positions) = self.submit(Op::Append {
-            topic: topic.to_string(),
-            records: encoded,
-        })?
-        else {
-            return Err(LogError::Unavailable(
-                "unexpected reply from the log writer".into(),
-            ));
-        };
-        let mut touched: Vec<u32> = positions.iter().map(|p| p.partition).collect();
-        touched.sort_unstable();
-        touched.dedup();
-        for partition in touched {
-            self.shared.notify(topic, partition);
-        }
-        Ok(positions)
+        self.append_with(topic, records, true)
+    }
+
+    fn append_unflushed(
+        &self,
+        topic: &str,
+        records: Vec<ProducerRecord>,
+    ) -> Result<Vec<RecordPosition>, LogError> {
+        self.append_with(topic, records, false)
+    }
+
+    fn flush(&self) -> Result<(), LogError> {
+        self.submit(Op::Flush).map(drop)
     }
 
     fn read(

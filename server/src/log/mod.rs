@@ -132,6 +132,24 @@ pub trait Log: Send + Sync + 'static {
     /// Appends records; answers each record's position, in order.
     fn append(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<Vec<RecordPosition>, LogError>;
 
+    /// Appends like `append`, but the records may be lost in a crash until `flush`
+    /// returns (or another durable write of the log): they are readable at once.
+    /// The runtime appends failed records this way and flushes before the commit
+    /// that covers them, so a record never counts as done while its retry entry
+    /// could still vanish. Default: `append`.
+    fn append_unflushed(
+        &self,
+        topic: &str,
+        records: Vec<ProducerRecord>,
+    ) -> Result<Vec<RecordPosition>, LogError> {
+        self.append(topic, records)
+    }
+
+    /// Makes every record appended so far durable. Default: nothing to do.
+    fn flush(&self) -> Result<(), LogError> {
+        Ok(())
+    }
+
     /// Up to `max` records of one partition starting at `offset`, appended to `out`.
     /// An offset at or past the end yields nothing.
     fn read(

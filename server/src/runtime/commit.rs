@@ -95,6 +95,20 @@ pub(crate) fn run(shared: &Shared, items: Vec<CommitItem>) {
     if items.is_empty() {
         return;
     }
+    if let Err(error) = shared.flush_log() {
+        // Nothing frozen yet: a task waiting idle for its freeze resumes, and
+        // every commit is tried again at the next round.
+        let mut scheduler = shared.lock();
+        for item in &items {
+            scheduler.frozen(item.task, FreezeResult::Busy);
+        }
+        shared.wake_waiters(&scheduler);
+        drop(scheduler);
+        for item in &items {
+            report(shared, item, Err(error.clone()));
+        }
+        return;
+    }
     let mut ready = Vec::with_capacity(items.len());
     let mut results = Vec::with_capacity(items.len());
     for item in items {
@@ -206,6 +220,10 @@ fn write(shared: &Shared, item: &CommitItem) -> Result<Option<CommitItem>, Strin
 /// so an untagged store's whole state is) and writes it. Reports to the
 /// callback; answers the error, if any.
 pub(crate) fn final_commit(shared: &Shared, item: &CommitItem) -> Result<(), String> {
+    if let Err(error) = shared.flush_log() {
+        report(shared, item, Err(error.clone()));
+        return Err(error);
+    }
     let error = match freeze(item) {
         FreezeResult::Frozen => return write_and_report(shared, item),
         FreezeResult::Busy => "the store's previous commit could not be written".to_string(),

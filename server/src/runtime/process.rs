@@ -113,8 +113,10 @@ fn attempt(
     result
 }
 
-/// Appends failed records to a topic durably, trying a few times: the records
-/// must not count as completed before they are safely on their path.
+/// Appends failed records to the retry or dead-letter topic, trying a few
+/// times. The append is not flushed here: a commit flushes the log before it
+/// covers these records (see `commit.rs`), so they count as completed only
+/// once they are durably on their path, and a unit does not wait for an fsync.
 fn append_failed(shared: &Shared, topic: &str, records: Vec<ProducerRecord>) -> Result<(), String> {
     if records.is_empty() {
         return Ok(());
@@ -122,8 +124,11 @@ fn append_failed(shared: &Shared, topic: &str, records: Vec<ProducerRecord>) -> 
     let mut last_error = String::new();
     for pause_ms in [0, 10, 100, 1_000] {
         std::thread::sleep(Duration::from_millis(pause_ms));
-        match shared.log.append(topic, records.clone()) {
-            Ok(_) => return Ok(()),
+        match shared.log.append_unflushed(topic, records.clone()) {
+            Ok(_) => {
+                shared.note_unflushed();
+                return Ok(());
+            }
             Err(e) => last_error = e.to_string(),
         }
     }
@@ -323,7 +328,10 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
         }
         let number = item.failure.attempts + 1;
         let tag = if context.tag_writes {
-            WriteTag::Retry(item.retry_offset)
+            WriteTag::Retry {
+                entry: item.retry_offset,
+                source: item.record.offset,
+            }
         } else {
             WriteTag::Untracked
         };

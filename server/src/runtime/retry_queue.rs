@@ -32,6 +32,9 @@ pub(crate) struct RetryQueue {
     committed_done: usize,
     /// Offsets of the source records not yet final (for bounded streams).
     pending_sources: BTreeMap<u64, u32>,
+    /// Entries that reached a final outcome here and are not yet behind a
+    /// commit, with their source offsets (see `commit_positions`).
+    final_sources: BTreeMap<u64, u64>,
     /// Records loaded at most at once; more are read as these finish.
     window: usize,
     /// No waiting item can be due before this (0 = unknown; see `take_due`).
@@ -69,6 +72,7 @@ impl RetryQueue {
             committed: start,
             committed_done: 0,
             pending_sources: BTreeMap::new(),
+            final_sources: BTreeMap::new(),
             window,
             done_before: done_before.into_iter().collect(),
             not_before_ms: 0,
@@ -94,7 +98,36 @@ impl RetryQueue {
         if offset >= self.committed {
             self.committed = offset;
             self.committed_done = done;
+            self.final_sources = self.final_sources.split_off(&offset);
         }
+    }
+
+    /// The retry position and the final entries above it that a commit at
+    /// `source_watermark` may record. An entry retrying a record at or above
+    /// the source watermark is not behind that commit even when final: a
+    /// restart resumes at the watermark and runs the record again from the
+    /// source (its entry is then voided), so the retry position stops before
+    /// it and the final entries exclude it. Entries final before a restart
+    /// (`done_before`) and void markers carry no source and always count.
+    pub(crate) fn commit_positions(&self, source_watermark: u64) -> (u64, Vec<u64>) {
+        let watermark = self.seq.watermark();
+        let held_back = |entry: &u64| {
+            self.final_sources
+                .get(entry)
+                .is_some_and(|&s| s >= source_watermark)
+        };
+        let position = self
+            .final_sources
+            .iter()
+            .find(|(_, source)| **source >= source_watermark)
+            .map_or(watermark, |(&entry, _)| entry.min(watermark));
+        let mut done: Vec<u64> = (position..watermark)
+            .chain(self.seq.completed_above())
+            .filter(|entry| !held_back(entry))
+            .collect();
+        done.extend(self.done_before.iter().copied());
+        done.sort_unstable();
+        (position, done)
     }
 
     pub(crate) fn is_fetching(&self) -> bool {
@@ -127,16 +160,6 @@ impl RetryQueue {
     pub(crate) fn has_uncommitted(&self) -> bool {
         self.seq.watermark() != self.committed
             || self.seq.completed_above().len() + self.done_before.len() != self.committed_done
-    }
-
-    /// Final offsets above the watermark, to commit with it: those completed
-    /// since the start, and those final before it that are not loaded yet
-    /// (dropping them from a checkpoint would let a later restart rerun them).
-    pub(crate) fn done_above_watermark(&self) -> Vec<u64> {
-        let mut done = self.seq.completed_above();
-        done.extend(self.done_before.iter().copied());
-        done.sort_unstable();
-        done
     }
 
     /// Records in the retry topic without a final outcome (loaded or not).
@@ -296,6 +319,7 @@ impl RetryQueue {
                 }
             }
             self.seq.complete(*retry_offset, None, &mut Vec::new());
+            self.final_sources.insert(*retry_offset, *source_offset);
         }
         for item in again {
             if let Some(key) = &item.record.key {
@@ -386,9 +410,37 @@ mod tests {
             .collect();
         assert_eq!(taken, vec![5, 7], "6 was final before the restart");
         queue.complete(&[(7, 107, None)], vec![]);
-        assert_eq!(queue.done_above_watermark(), vec![6, 7]);
+        assert_eq!(queue.commit_positions(u64::MAX), (5, vec![6, 7]));
         queue.complete(&[(5, 105, None)], vec![]);
         assert_eq!(queue.watermark(), 8);
-        assert!(queue.done_above_watermark().is_empty());
+        assert_eq!(queue.commit_positions(u64::MAX), (8, vec![]));
+    }
+
+    #[test]
+    fn a_final_retry_of_a_record_above_the_source_watermark_is_not_committed() {
+        let mut queue = RetryQueue::new(0, false, 100, vec![]);
+        // Entries 0..3 retry source offsets 100, 101, 500, 102.
+        let items: Vec<RetryItem> = [100, 101, 500, 102]
+            .iter()
+            .enumerate()
+            .map(|(i, &source)| {
+                let mut item = item("k", i as u64, 0);
+                item.record.offset = source;
+                item
+            })
+            .collect();
+        queue.add_fetched(items);
+        let taken = queue.take_due(0, |_| true);
+        let finished: Vec<_> = taken
+            .iter()
+            .map(|i| (i.retry_offset, i.record.offset, None))
+            .collect();
+        queue.complete(&finished, vec![]);
+        assert_eq!(queue.watermark(), 4);
+        // The source watermark is 400: entry 2 (source 500) stays behind.
+        assert_eq!(queue.commit_positions(400), (2, vec![3]));
+        assert_eq!(queue.commit_positions(501), (4, vec![]));
+        queue.mark_committed(2, 1);
+        assert_eq!(queue.commit_positions(400), (2, vec![3]));
     }
 }

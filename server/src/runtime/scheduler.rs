@@ -675,7 +675,13 @@ impl Scheduler {
                 continue;
             }
             if !task.is_persistent() || task.request_commit() {
-                items.push(self.commit_item(t));
+                let item = self.commit_item(t);
+                if let Some(store) = item.store.as_ref().and_then(|s| s.persistent()) {
+                    // Decided under the lock: a unit picked from now on may know a higher
+                    // watermark, and must not drop versions this commit still needs.
+                    store.announce_commit(item.offset);
+                }
+                items.push(item);
             }
         }
         let retention = now >= self.next_retention_at;
@@ -687,7 +693,11 @@ impl Scheduler {
 
     /// A commit that waited for task `t` (idle, or drained) and may freeze now.
     fn commit_if_ready(&mut self, t: usize) -> Option<CommitItem> {
-        self.task(t)?.commit_ready().then(|| self.commit_item(t))
+        self.tasks
+            .get_mut(t)?
+            .as_mut()?
+            .commit_ready()
+            .then(|| self.commit_item(t))
     }
 
     /// The commit of task `t` as it stands (for a persistent store, what

@@ -58,6 +58,8 @@ pub(crate) struct Shared {
     pub(crate) membership: Mutex<()>,
     /// The stream threads started, to join at shutdown.
     pub(crate) handles: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    /// Records were appended unflushed since the last flush (see `flush_log`).
+    unflushed: std::sync::atomic::AtomicBool,
     /// Stores of tasks that left, by task id, until the last reference to
     /// them (a commit still being written) is gone: a task added again waits
     /// for that before it opens its store (a file is opened once at a time).
@@ -86,6 +88,7 @@ impl Shared {
             membership: Mutex::new(()),
             handles: Mutex::new(Vec::new()),
             closing: Mutex::new(Vec::new()),
+            unflushed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -100,6 +103,23 @@ impl Shared {
         if scheduler.has_waiters() {
             self.wake.notify_all();
         }
+    }
+
+    /// Failed records were appended without a flush.
+    pub(crate) fn note_unflushed(&self) {
+        self.unflushed.store(true, Ordering::Release);
+    }
+
+    /// Makes the failed records appended so far durable, before a commit
+    /// covers them. On failure the commit must not be written.
+    pub(crate) fn flush_log(&self) -> Result<(), String> {
+        if !self.unflushed.swap(false, Ordering::AcqRel) {
+            return Ok(());
+        }
+        self.log.flush().map_err(|e| {
+            self.unflushed.store(true, Ordering::Release);
+            format!("could not flush the log before committing: {e}")
+        })
     }
 
     pub(crate) fn app_state(&self) -> AppState {

@@ -576,11 +576,18 @@ impl Task {
     }
 
     /// Whether the store's state is now exactly that of the records below
-    /// the watermarks, so a commit waiting for the task may freeze it.
-    pub(crate) fn commit_ready(&self) -> bool {
+    /// the watermarks, so a commit waiting for the task may freeze it. An
+    /// idle task whose completed records are not a prefix (a unit handed
+    /// back by a dead thread waits ahead of completed ones) cannot commit
+    /// untagged writes now: its wait ends, and the next round tries again.
+    pub(crate) fn commit_ready(&mut self) -> bool {
         let idle = self.active == 0 && self.retry.in_progress() == 0;
         match self.commit_wait {
             None => false,
+            Some(CommitWait::Idle) if idle && self.seq.span() > self.seq.pending() => {
+                self.commit_wait = None;
+                false
+            }
             Some(CommitWait::Idle) => idle,
             Some(CommitWait::Drained) => idle && self.seq.pending() == 0 && self.work.queued() == 0,
         }
@@ -594,13 +601,14 @@ impl Task {
     /// Positions to commit now: source watermark, retry watermark, and (for
     /// a persistent store) the final retry offsets above the latter.
     pub(crate) fn commit_positions(&self) -> (u64, u64, Vec<u64>) {
-        let done = if self.is_persistent() {
-            self.retry.done_above_watermark()
-        } else {
-            // A memory store is rebuilt without them and they run again: once in all.
-            Vec::new()
-        };
-        (self.seq.watermark(), self.retry.watermark(), done)
+        let watermark = self.seq.watermark();
+        if !self.is_persistent() {
+            // A memory store is rebuilt without the final entries above the
+            // retry position, and they run again: once in all.
+            return (watermark, self.retry.watermark(), Vec::new());
+        }
+        let (retry_offset, done) = self.retry.commit_positions(watermark);
+        (watermark, retry_offset, done)
     }
 
     /// A commit of these positions succeeded.

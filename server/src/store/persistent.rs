@@ -88,8 +88,10 @@ pub enum WriteTag {
     Untracked,
     /// The write of the record at this source offset.
     Source(u64),
-    /// The write of the retry-topic entry at this offset.
-    Retry(u64),
+    /// The write of the retry-topic entry at offset `entry`, a retry of the record at source
+    /// offset `source`. Covered only with both: a restart resumes at the source watermark and
+    /// runs the records above it again, retried ones included.
+    Retry { entry: u64, source: u64 },
 }
 
 impl WriteTag {
@@ -97,8 +99,10 @@ impl WriteTag {
         match self {
             WriteTag::Untracked => true,
             WriteTag::Source(offset) => offset < checkpoint.watermark,
-            WriteTag::Retry(offset) => {
-                offset < checkpoint.retry_offset || checkpoint.retry_done.binary_search(&offset).is_ok()
+            WriteTag::Retry { entry, source } => {
+                source < checkpoint.watermark
+                    && (entry < checkpoint.retry_offset
+                        || checkpoint.retry_done.binary_search(&entry).is_ok())
             }
         }
     }
@@ -197,10 +201,10 @@ pub struct FreezeError;
 struct ShardState {
     /// Writes since the last `begin_commit`.
     dirty: BTreeMap<Bytes, Versions>,
-    /// The highest source offset and the retry offsets tagged in `dirty`: when the checkpoint
-    /// covers them all, a commit takes the whole layer without looking at each key.
+    /// The highest source offset and the retry tags in `dirty`: when the checkpoint covers them
+    /// all, a commit takes the whole layer without looking at each key.
     highest_source: Option<u64>,
-    retry_tags: Vec<u64>,
+    retry_tags: Vec<WriteTag>,
     /// This shard's part of the frozen commit until `finish_commit` has made it durable.
     frozen: Option<Arc<Layer>>,
 }
@@ -221,16 +225,13 @@ impl ShardState {
             WriteTag::Source(offset) => {
                 self.highest_source = Some(self.highest_source.map_or(offset, |h| h.max(offset)));
             }
-            WriteTag::Retry(offset) => self.retry_tags.push(offset),
+            retry @ WriteTag::Retry { .. } => self.retry_tags.push(retry),
         }
     }
 
     fn all_covered_by(&self, checkpoint: &Checkpoint) -> bool {
         self.highest_source.is_none_or(|h| h < checkpoint.watermark)
-            && self
-                .retry_tags
-                .iter()
-                .all(|&r| WriteTag::Retry(r).covered_by(checkpoint))
+            && self.retry_tags.iter().all(|tag| tag.covered_by(checkpoint))
     }
 
     fn write(&mut self, key: Bytes, tag: WriteTag, value: Option<Bytes>, settled_below: u64) {
@@ -238,7 +239,7 @@ impl ShardState {
         let settled = |tag: WriteTag| match tag {
             WriteTag::Untracked => true,
             WriteTag::Source(offset) => offset < settled_below,
-            WriteTag::Retry(_) => false,
+            WriteTag::Retry { .. } => false,
         };
         match self.dirty.get_mut(&key) {
             Some(versions) => versions.push(tag, value, settled),
@@ -432,6 +433,9 @@ pub struct PersistentStore {
     pending: Mutex<Option<Pending>>,
     /// Serialises `finish_commit`s without making `begin_commit` wait for one.
     writer: Mutex<()>,
+    /// The watermark of a commit announced and not yet frozen (`u64::MAX`: none): no write
+    /// it covers may be dropped as settled before it freezes (see `apply`).
+    announced: std::sync::atomic::AtomicU64,
     /// Only `finish_commit` uses it (reads go through `committed`). After an I/O error redb
     /// fails every later operation until the file is reopened, which `finish_commit` does at
     /// once (`reopen`); `None` while that failed. Declared after `committed`: the cached read
@@ -564,6 +568,7 @@ impl PersistentStore {
             committed: RwLock::new(Arc::new(committed)),
             pending: Mutex::new(None),
             writer: Mutex::new(()),
+            announced: std::sync::atomic::AtomicU64::new(u64::MAX),
             db: Mutex::new(Some(db)),
             reopen,
             path: path.to_path_buf(),
@@ -661,6 +666,22 @@ impl PersistentStore {
     /// Untracked writes are always covered, so for them the freeze is exact only while no
     /// processor of the task runs, which is how the runtime calls it for untracked tasks.
     pub fn begin_commit(&self, checkpoint: &Checkpoint) -> Result<bool, FreezeError> {
+        let frozen = self.freeze(checkpoint);
+        // Frozen or given up: either way, no commit is on its way any more.
+        self.announced
+            .store(u64::MAX, std::sync::atomic::Ordering::SeqCst);
+        frozen
+    }
+
+    /// A commit at `watermark` will freeze soon: until it has, `apply` keeps every version it
+    /// covers, however settled the caller thinks it is (a caller that started after the commit
+    /// was decided may know a higher watermark than the commit's).
+    pub fn announce_commit(&self, watermark: u64) {
+        self.announced
+            .fetch_min(watermark, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn freeze(&self, checkpoint: &Checkpoint) -> Result<bool, FreezeError> {
         let mut pending = lock(&self.pending);
         if pending.is_some() {
             return Ok(false);
@@ -691,6 +712,7 @@ impl PersistentStore {
     /// is a source offset every future checkpoint's watermark is at or above (the task's
     /// watermark when the attempt started), so older versions of a key can be dropped.
     pub fn apply(&self, tag: WriteTag, writes: impl IntoIterator<Item = Write>, settled_below: u64) {
+        let settled_below = settled_below.min(self.announced.load(std::sync::atomic::Ordering::SeqCst));
         for (key, value) in writes {
             write(self.shard(&key)).write(key, tag, value, settled_below);
         }
@@ -1283,7 +1305,9 @@ mod tests {
         put("a", "a@1", WriteTag::Source(1));
         put("b", "b@2", WriteTag::Source(2));
         put("a", "a@5", WriteTag::Source(5));
-        put("c", "c@r7", WriteTag::Retry(7));
+        put("c", "c@r7", WriteTag::Retry { entry: 7, source: 0 });
+        // A retry of a record above the watermark is not covered, even when final.
+        put("d", "d@r8", WriteTag::Retry { entry: 8, source: 9 });
         put("c", "c@6", WriteTag::Source(6));
         store.apply(WriteTag::Source(3), [(b("b"), None)], 0);
         assert_eq!(store.get(b"a").unwrap(), Some(b("a@5")), "reads see the newest");
@@ -1291,7 +1315,7 @@ mod tests {
         let covered = Checkpoint {
             watermark: 4,
             retry_offset: 0,
-            retry_done: vec![7],
+            retry_done: vec![7, 8],
         };
         assert!(store.begin_commit(&covered).unwrap());
         store.finish_commit().unwrap();
@@ -1299,6 +1323,7 @@ mod tests {
         assert_eq!(snapshot.get(b"a").unwrap(), Some(b("a@1")));
         assert_eq!(snapshot.get(b"b").unwrap(), None, "deleted at 3");
         assert_eq!(snapshot.get(b"c").unwrap(), Some(b("c@r7")));
+        assert_eq!(snapshot.get(b"d").unwrap(), None);
         assert_eq!(store.get(b"a").unwrap(), Some(b("a@5")));
         assert_eq!(store.get(b"c").unwrap(), Some(b("c@6")));
         commit(&store, 10);
@@ -1485,7 +1510,9 @@ mod tests {
         PersistentStore::create(&file, LOG_ID).unwrap();
         let store = PersistentStore::open(&file).unwrap();
         for i in 0..5000 {
-            store.put(format!("k{i}").into(), Bytes::from(vec![7u8; 100])).unwrap();
+            store
+                .put(format!("k{i}").into(), Bytes::from(vec![7u8; 100]))
+                .unwrap();
         }
         commit(&store, 1);
         drop(store);
@@ -1520,7 +1547,9 @@ mod tests {
         full.store(true, AtomicOrdering::Release);
         // Enough new data that the file must grow.
         for i in 0..20_000 {
-            store.put(format!("k{i:05}").into(), Bytes::from(vec![7u8; 200])).unwrap();
+            store
+                .put(format!("k{i:05}").into(), Bytes::from(vec![7u8; 200]))
+                .unwrap();
         }
         let checkpoint = Checkpoint {
             watermark: 2,
@@ -1536,7 +1565,10 @@ mod tests {
         let snapshot = store.snapshot().unwrap();
         assert_eq!(snapshot.checkpoint().map(|c| c.watermark), Some(1));
         assert_eq!(snapshot.get(b"before").unwrap(), Some(b("1")));
-        assert!(!store.begin_commit(&checkpoint).unwrap(), "the failed commit is still pending");
+        assert!(
+            !store.begin_commit(&checkpoint).unwrap(),
+            "the failed commit is still pending"
+        );
         // Still full: the retry fails the same way, not with redb's "previous I/O error".
         let err = store.finish_commit().unwrap_err();
         assert!(err.message.contains("No space left on device"), "{err}");
@@ -1546,11 +1578,75 @@ mod tests {
         let snapshot = store.snapshot().unwrap();
         assert_eq!(snapshot.checkpoint().map(|c| c.watermark), Some(2));
         assert_eq!(snapshot.len().unwrap(), 20_001);
-        assert!(store.begin_commit(&checkpoint).unwrap(), "nothing pending any more");
+        assert!(
+            store.begin_commit(&checkpoint).unwrap(),
+            "nothing pending any more"
+        );
         drop(snapshot);
         drop(store);
         let reopened = PersistentStore::open(&file).unwrap();
         assert_eq!(reopened.snapshot().unwrap().len().unwrap(), 20_001);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// The persistent store against a model: records (source offsets 0..n, each writing
+        /// its key) complete in random order with each key's records in offset order, writes
+        /// tagged and collapsed as the runtime does; commits at the completed prefix take
+        /// exactly the values as of it, whatever was applied above.
+        #[test]
+        fn tagged_commits_match_a_model(
+            keys in proptest::collection::vec(0u8..6, 1..120),
+            order in proptest::collection::vec(proptest::prelude::any::<u16>(), 1..120),
+            commit_every in 1usize..20,
+        ) {
+            let dir = TempDir::new("model");
+            let store = PersistentStore::open(&dir.file()).unwrap();
+            let n = keys.len();
+            // Completion order: a permutation that keeps each key's offsets in order.
+            let mut by_key: BTreeMap<u8, std::collections::VecDeque<usize>> = BTreeMap::new();
+            for (o, k) in keys.iter().enumerate() {
+                by_key.entry(*k).or_default().push_back(o);
+            }
+            let mut done = vec![false; n];
+            let mut watermark = 0usize;
+            let mut step = 0;
+            // A commit decided at this watermark, frozen a few records later (as the runtime's
+            // commit round announces, then freezes while other threads go on).
+            let mut announced: Option<usize> = None;
+            while done.iter().any(|d| !d) {
+                let ready: Vec<u8> = by_key.iter().filter(|(_, q)| !q.is_empty()).map(|(k, _)| *k).collect();
+                let k = ready[order[step % order.len()] as usize % ready.len()];
+                let o = by_key.get_mut(&k).unwrap().pop_front().unwrap();
+                // The record's write: its offset as the value, settled below the watermark
+                // as it is now (at least as high as when the record started).
+                store.apply(
+                    WriteTag::Source(o as u64),
+                    [(Bytes::from(vec![b'k', k]), Some(Bytes::from(o.to_string())))],
+                    watermark as u64,
+                );
+                done[o] = true;
+                while watermark < n && done[watermark] {
+                    watermark += 1;
+                }
+                step += 1;
+                if let Some(at) = announced.filter(|_| step % 3 == 0) {
+                    let cp = Checkpoint { watermark: at as u64, ..Checkpoint::default() };
+                    proptest::prop_assert!(store.begin_commit(&cp).unwrap());
+                    store.finish_commit().unwrap();
+                    announced = None;
+                    let snapshot = store.snapshot().unwrap();
+                    for key in 0u8..6 {
+                        let expected = (0..at).rev().find(|&o| keys[o] == key).map(|o| Bytes::from(o.to_string()));
+                        proptest::prop_assert_eq!(snapshot.get(&[b'k', key]).unwrap(), expected, "key {} at {}", key, at);
+                    }
+                } else if announced.is_none() && step % commit_every == 0 {
+                    store.announce_commit(watermark as u64);
+                    announced = Some(watermark);
+                }
+            }
+        }
     }
 
     /// Run with `cargo test --release -p taskstream-server --lib persistent -- --ignored --nocapture`.
