@@ -269,6 +269,19 @@ impl StreamsApp {
                     Some(end)
                 }
             };
+            // Whatever the end (current, open, explicit; an explicit end before
+            // the start is malformed first): a start past the partition's end
+            // would be an empty stream or one waiting for nothing.
+            if let StartAt::Offsets(_) = &request.start {
+                let log_end = shared.log.end_offset(&pipeline.topic, partition)?;
+                if start > log_end {
+                    return Err(RuntimeError::OffsetPastEnd {
+                        partition,
+                        requested: start,
+                        end: log_end,
+                    });
+                }
+            }
             ranges.push(PartitionRange {
                 partition,
                 start,
