@@ -100,7 +100,7 @@ pub(crate) fn run(shared: &Shared, items: Vec<CommitItem>) {
         // every commit is tried again at the next round.
         let mut scheduler = shared.lock();
         for item in &items {
-            scheduler.frozen(item.task, FreezeResult::Busy);
+            scheduler.frozen(item, FreezeResult::Busy);
         }
         shared.wake_waiters(&scheduler);
         drop(scheduler);
@@ -113,15 +113,15 @@ pub(crate) fn run(shared: &Shared, items: Vec<CommitItem>) {
     let mut results = Vec::with_capacity(items.len());
     for item in items {
         let result = freeze(&item);
-        results.push((item.task, result));
+        results.push((item.clone(), result));
         if result == FreezeResult::Frozen {
             ready.push(item);
         }
     }
     {
         let mut scheduler = shared.lock();
-        for (task, result) in results {
-            scheduler.frozen(task, result);
+        for (item, result) in &results {
+            scheduler.frozen(item, *result);
         }
         shared.wake_waiters(&scheduler);
     }
@@ -141,6 +141,13 @@ pub(crate) fn run(shared: &Shared, items: Vec<CommitItem>) {
 /// Writes frozen commits in order, records them, and reports each.
 fn write_all(shared: &Shared, items: &[CommitItem]) {
     for item in items {
+        // A task that left (or is leaving) commits its last position itself;
+        // a commit decided before must not overwrite it. Checked and written
+        // under the commit lock the leaving task's last commit takes too.
+        let _serial = shared.commit_lock.lock().unwrap_or_else(|e| e.into_inner());
+        if item.store.is_none() && shared.lock().is_stale(item) {
+            continue;
+        }
         let _ = write_and_report(shared, item);
     }
 }
@@ -220,6 +227,7 @@ fn write(shared: &Shared, item: &CommitItem) -> Result<Option<CommitItem>, Strin
 /// so an untagged store's whole state is) and writes it. Reports to the
 /// callback; answers the error, if any.
 pub(crate) fn final_commit(shared: &Shared, item: &CommitItem) -> Result<(), String> {
+    let _serial = shared.commit_lock.lock().unwrap_or_else(|e| e.into_inner());
     if let Err(error) = shared.flush_log() {
         report(shared, item, Err(error.clone()));
         return Err(error);

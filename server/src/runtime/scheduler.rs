@@ -711,8 +711,8 @@ impl Scheduler {
 
     /// What freezing a commit's store came to. An untagged task waited idle
     /// for it and resumes now.
-    pub(crate) fn frozen(&mut self, t: usize, result: FreezeResult) {
-        let Some(task) = self.tasks.get_mut(t).and_then(Option::as_mut) else {
+    pub(crate) fn frozen(&mut self, item: &CommitItem, result: FreezeResult) {
+        let Some(task) = self.live_task_of(item) else {
             return;
         };
         match result {
@@ -726,11 +726,24 @@ impl Scheduler {
         if !ok {
             return;
         }
-        if let Some(task) = self.tasks.get_mut(item.task).and_then(Option::as_mut)
-            && task.id() == &item.task_id
-        {
+        if let Some(task) = self.live_task_of(item) {
             task.mark_committed(item.offset, item.retry_offset, item.retry_done.len());
         }
+    }
+
+    /// The task a commit was made for, if it is still here (the same
+    /// incarnation: a task removed and added again has a new id).
+    fn live_task_of(&mut self, item: &CommitItem) -> Option<&mut Task> {
+        self.tasks
+            .get_mut(item.task)?
+            .as_mut()
+            .filter(|task| Arc::ptr_eq(task.id(), &item.task_id))
+    }
+
+    /// Whether a commit was made for a task that has left since: its last
+    /// commit covered this one, which must not be written after it.
+    pub(crate) fn is_stale(&mut self, item: &CommitItem) -> bool {
+        self.live_task_of(item).is_none_or(|task| task.is_removing())
     }
 
     /// The commit round a thread carried out is over.

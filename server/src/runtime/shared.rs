@@ -56,6 +56,9 @@ pub(crate) struct Shared {
     pub(crate) committer: Committer,
     /// Serializes shutdown and task removals with each other.
     pub(crate) membership: Mutex<()>,
+    /// Serializes writes of commits to the log, so a commit decided before a
+    /// task left is checked and written atomically against its last commit.
+    pub(crate) commit_lock: Mutex<()>,
     /// The stream threads started, to join at shutdown.
     pub(crate) handles: Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// Records were appended unflushed since the last flush (see `flush_log`).
@@ -86,6 +89,7 @@ impl Shared {
             on_commit,
             committer: Committer::default(),
             membership: Mutex::new(()),
+            commit_lock: Mutex::new(()),
             handles: Mutex::new(Vec::new()),
             closing: Mutex::new(Vec::new()),
             unflushed: std::sync::atomic::AtomicBool::new(false),
