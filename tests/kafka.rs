@@ -239,3 +239,130 @@ fn produce_through_grpc_and_query_counts_with_the_topics_in_kafka() {
         );
     }
 }
+
+/// A config of one application on Kafka, in process: `partitions` of a
+/// keyed topic counted in memory stores, short commit interval.
+fn group_config(
+    broker: &common::kafka::Broker,
+    application: &str,
+    topic: &str,
+    partitions: u32,
+    protocol: taskstream_server::GroupProtocol,
+) -> taskstream_server::Config {
+    let mut config = taskstream_server::Config {
+        application_id: application.to_string(),
+        num_stream_threads: 2,
+        commit_interval_ms: 100,
+        bootstrap_servers: Some(broker.bootstrap.clone()),
+        replication_factor: 1,
+        group_protocol: protocol,
+        ..Default::default()
+    };
+    if protocol == taskstream_server::GroupProtocol::Classic {
+        // The classic protocol's session is the client's to set; the test
+        // broker allows short ones (KIP-848 sessions are the broker's).
+        config.kafka.insert("session.timeout.ms".into(), "6000".into());
+        config.kafka.insert("heartbeat.interval.ms".into(), "500".into());
+    }
+    config
+        .topics
+        .push(taskstream_server::TopicConfig::new(topic, partitions));
+    config.pipelines.push(taskstream_server::PipelineConfig::new(
+        "counts",
+        topic,
+        taskstream_server::ProcessorSpec::Count,
+    ));
+    config
+}
+
+/// Polls `condition` until it holds or `DEADLINE` passes (then panics with `what`).
+fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + DEADLINE;
+    while !condition() {
+        assert!(Instant::now() < deadline, "within {DEADLINE:?}: {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Two instances of one application share the partitions through the
+/// consumer group (either protocol): each hosts a disjoint share, together
+/// all; a second instance joining takes some without stopping the first's
+/// other tasks; one leaving hands its partitions back, committed.
+fn two_instances_share_partitions(protocol: taskstream_server::GroupProtocol) {
+    use taskstream_server::{ProducerRecord, StreamsApp};
+    let Some(broker) = broker() else { return };
+    let application = unique(&format!("group-{}", protocol.as_str()));
+    let topic = format!("{application}-events");
+    let config = group_config(broker, &application, &topic, 6, protocol);
+    let first = StreamsApp::builder(config.clone())
+        .start()
+        .expect("start the first instance");
+    eventually("the first instance hosts all 6 partitions", || {
+        first.hosted_partitions("counts").unwrap().len() == 6
+    });
+    let mut expected: BTreeMap<String, u64> = BTreeMap::new();
+    let mut produce = |app: &StreamsApp, round: usize| {
+        let records: Vec<ProducerRecord> = (0..300)
+            .map(|i| {
+                let key = format!("key-{}", (i * 13 + round) % 41);
+                *expected.entry(key.clone()).or_default() += 1;
+                ProducerRecord::keyed(key, "1")
+            })
+            .collect();
+        app.produce(&topic, records).expect("produce");
+    };
+    produce(&first, 0);
+    let second = StreamsApp::builder(config.clone())
+        .start()
+        .expect("start the second instance");
+    eventually("both instances host a disjoint share covering all 6", || {
+        let a = first.hosted_partitions("counts").unwrap();
+        let b = second.hosted_partitions("counts").unwrap();
+        !a.is_empty() && !b.is_empty() && a.len() + b.len() == 6 && a.iter().all(|p| !b.contains(p))
+    });
+    produce(&second, 1);
+    let counts = |apps: &[&StreamsApp]| -> BTreeMap<String, u64> {
+        let mut counts = BTreeMap::new();
+        for app in apps {
+            let Ok(results) = app.query_range("counts", None, None, &[], 0) else {
+                continue;
+            };
+            for result in results {
+                for (key, value) in result.entries {
+                    let count: u64 = String::from_utf8_lossy(&value).parse().unwrap();
+                    *counts
+                        .entry(String::from_utf8_lossy(&key).into_owned())
+                        .or_default() += count;
+                }
+            }
+        }
+        counts
+    };
+    eventually("the two instances' counts add up to what was produced", || {
+        counts(&[&first, &second]) == expected
+    });
+    for app in [&first, &second] {
+        assert_eq!(app.state(), taskstream_server::AppState::Running);
+    }
+    second
+        .shutdown()
+        .expect("the second instance commits as it leaves");
+    eventually("the first instance hosts all 6 partitions again", || {
+        first.hosted_partitions("counts").unwrap().len() == 6
+    });
+    // Memory stores rebuilt from the committed offsets: nothing lost, nothing twice.
+    eventually("the first instance alone counts everything once", || {
+        counts(&[&first]) == expected
+    });
+    first.shutdown().expect("shutdown");
+}
+
+#[test]
+fn two_instances_share_partitions_with_the_kip848_protocol() {
+    two_instances_share_partitions(taskstream_server::GroupProtocol::Consumer);
+}
+
+#[test]
+fn two_instances_share_partitions_with_the_classic_protocol() {
+    two_instances_share_partitions(taskstream_server::GroupProtocol::Classic);
+}

@@ -36,8 +36,8 @@ pub mod service;
 pub mod store;
 
 pub use config::{
-    CommitMode, Config, ConfigError, PipelineConfig, ProcessingOrder, ProcessorSpec, RetryPolicy, StoreKind,
-    TopicConfig,
+    CommitMode, Config, ConfigError, GroupProtocol, PipelineConfig, ProcessingOrder, ProcessorSpec,
+    RetryPolicy, StoreKind, TopicConfig,
 };
 pub use log::{Log, LogError, MemoryLog, ProducerRecord, Record, RecordPosition, RedbLog, Retention};
 pub use metadata::{

@@ -11,7 +11,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use taskstream_server::config::LogFormat;
 use taskstream_server::config::{SETTINGS, parse_host_port};
-use taskstream_server::log::KafkaLog;
 use taskstream_server::service;
 use taskstream_server::{CommitMode, Config, ConfigError, RuntimeError, StreamsApp};
 use tokio::net::TcpListener;
@@ -244,16 +243,12 @@ async fn run(listen: String, metrics_listen: Option<String>, settings: Settings)
     // Opening the data dir may take a while after a crash (redb repairs it);
     // connecting to Kafka waits for the cluster to answer.
     let app = tokio::task::spawn_blocking(move || -> anyhow::Result<StreamsApp> {
-        let builder = StreamsApp::builder(config.clone());
-        let builder = match &config.bootstrap_servers {
-            Some(servers) => {
-                let log =
-                    KafkaLog::connect(&config).with_context(|| format!("cannot use Kafka at {servers}"))?;
-                builder.log(log)
-            }
-            None => builder,
-        };
-        Ok(builder.start()?)
+        let servers = config.bootstrap_servers.clone();
+        let started = StreamsApp::builder(config).start();
+        Ok(match servers {
+            Some(servers) => started.with_context(|| format!("cannot run on Kafka at {servers}"))?,
+            None => started?,
+        })
     })
     .await
     .context("the runtime failed to start")??;

@@ -45,6 +45,23 @@ pub enum CommitMode {
     Async,
 }
 
+/// How instances of one application share partitions on Kafka: the consumer
+/// group protocol. `consumer` is KIP-848 (Apache Kafka 4): the broker assigns
+/// incrementally and no member waits for a global barrier. `classic` is the
+/// older protocol, with the `cooperative-sticky` assignor, for older brokers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GroupProtocol {
+    #[default]
+    Consumer,
+    Classic,
+}
+
+impl GroupProtocol {
+    pub fn as_str(self) -> &'static str {
+        choice_name(self)
+    }
+}
+
 /// What happens to a stream subscriber too slow for its bounded buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SlowSubscriberPolicy {
@@ -145,6 +162,13 @@ impl Choice for LogFormat {
         &[("pretty", LogFormat::Pretty), ("json", LogFormat::Json)];
 }
 
+impl Choice for GroupProtocol {
+    const CHOICES: &'static [(&'static str, Self)] = &[
+        ("consumer", GroupProtocol::Consumer),
+        ("classic", GroupProtocol::Classic),
+    ];
+}
+
 impl Choice for RetryPolicy {
     const CHOICES: &'static [(&'static str, Self)] = &[
         ("retry_topic", RetryPolicy::RetryTopic),
@@ -187,7 +211,8 @@ deserialize_choice!(
     SlowSubscriberPolicy,
     StoreKind,
     RetryPolicy,
-    LogFormat
+    LogFormat,
+    GroupProtocol
 );
 
 /// Latency of the `simulate` processor: a fixed number of milliseconds, or a
@@ -489,6 +514,8 @@ pub struct Config {
     pub replication_factor: i32,
     /// Client settings passed to librdkafka as they are (`[kafka]` table:
     /// security, timeouts, …); nested TOML keys join with dots.
+    /// The consumer group protocol on Kafka: `consumer` (KIP-848) or `classic`.
+    pub group_protocol: GroupProtocol,
     #[serde(deserialize_with = "deserialize_kafka_settings")]
     pub kafka: BTreeMap<String, String>,
 }
@@ -512,6 +539,14 @@ pub const RESERVED_KAFKA_SETTINGS: &[(&str, &str)] = &[
     ),
     ("allow.auto.create.topics", "taskstream creates its topics itself"),
     ("transactional.id", "transactions are the runtime's"),
+    (
+        "group.protocol",
+        "set group_protocol (consumer or classic) instead",
+    ),
+    (
+        "partition.assignment.strategy",
+        "the classic protocol runs cooperative-sticky, so a rebalance never stops unaffected tasks",
+    ),
 ];
 
 /// Flattens the `[kafka]` table into librdkafka's `name = value` strings:
@@ -581,6 +616,7 @@ impl Default for Config {
             pipelines: Vec::new(),
             bootstrap_servers: None,
             replication_factor: -1,
+            group_protocol: GroupProtocol::Consumer,
             kafka: BTreeMap::new(),
         }
     }
@@ -799,6 +835,14 @@ pub const SETTINGS: &[Setting] = &[
         "N",
         parse_replication_factor,
         "Replication factor of the topics created in Kafka (-1: the broker's default)."
+    ),
+    setting!(
+        group_protocol,
+        Some("group-protocol"),
+        "PROTOCOL",
+        parse_choice,
+        "consumer | classic: Kafka's consumer group protocol (consumer = KIP-848; classic runs \
+         cooperative-sticky)."
     ),
 ];
 

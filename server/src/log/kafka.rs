@@ -1,7 +1,9 @@
 //! `KafkaLog`: the `Log` trait on Apache Kafka through rdkafka (bundled
 //! librdkafka). It owns one producer, one reader consumer (manual assignment,
-//! one queue per partition), an admin client, and one committing consumer per
-//! group; each call of the trait is a blocking call on them.
+//! one queue per partition), an admin client, one committing consumer per
+//! group it is not a member of, and, once it joins the application's consumer
+//! group (`join_group`, see `kafka_group`), the group's consumer; each call of
+//! the trait is a blocking call on them.
 //!
 //! How it maps the trait:
 //! - `ensure_topic` creates a missing topic through the admin client, with
@@ -16,44 +18,41 @@
 //!   log. A batch is checked before anything is sent (unknown topic or
 //!   partition: nothing is written), but Kafka does not write a batch
 //!   atomically: if delivery fails midway, the records already delivered stay.
-//! - `read` draws from the partition's own queue of the reader consumer, which
-//!   librdkafka keeps prefetched. The queue remembers its position, so
-//!   sequential reads never seek; a read elsewhere seeks once. When the queue
-//!   is empty but the end offset says records exist, the read waits for them
-//!   (up to `FETCH_WAIT`); at the end it answers nothing at once.
+//! - `read` draws from the partition's own queue, which librdkafka keeps
+//!   prefetched: the group consumer's for a partition the group assigned
+//!   here (split off before the assignment, so no record of it reaches the
+//!   main queue; a read waits while the assignment is under way), else the
+//!   reader consumer's, assigned on first read. The queue remembers its
+//!   position, so sequential reads never seek; a read elsewhere seeks once.
+//!   When the queue is empty but the end offset says records exist, the read
+//!   waits for them (up to `FETCH_WAIT`); at the end it answers nothing at once.
 //! - `end_offset` is the high watermark: librdkafka's cached value (updated by
 //!   every fetch response, so fresh within a fetch round trip) for partitions
-//!   being read, else a round trip to the broker; never below what this log
-//!   itself appended. `start_offset` always asks the broker.
-//! - `commit` / `committed` use the group's committed offsets, through a
-//!   consumer with that `group.id` that never joins the group. Kafka accepts
-//!   such commits only while the group has no members, which holds for a
-//!   single instance reading every partition (this module alone).
+//!   being read, else a cached answer of the broker refreshed in the
+//!   background while it is asked for (metadata asks for every partition,
+//!   under the runtime's locks); never below what this log itself appended.
+//!   `start_offset` asks the broker for partitions being read, else the cache.
+//! - `commit` writes the group's committed offsets through the group's
+//!   consumer when this log is a member (a KIP-848 group refuses commits from
+//!   non-members; a member may commit any partition, so retry positions ride
+//!   along), else through a consumer with that `group.id` that never joins
+//!   (Kafka accepts that only while the group has no members). `committed`
+//!   reads them through the latter, which Kafka allows at any time.
 //! - Append listeners: Kafka pushes nothing, so each partition queue has a
 //!   non-empty callback. It fires when a fetch brings records to an empty
 //!   queue, i.e. when a caught-up reader has new data — wherever the records
 //!   were produced. The callback only sends on a channel (it runs on
 //!   librdkafka's threads, where blocking could stall the fetcher); a notifier
-//!   thread calls the listeners. This log's own appends notify too. A control
-//!   event (a barrier at each assignment or seek) can fire it as well: an
-//!   empty read follows, harmless, and it keeps the queue drained.
+//!   thread calls the listeners. This log's own appends notify too, and so
+//!   does a group assignment. A control event (a barrier at each assignment or
+//!   seek) can fire it as well: an empty read follows, harmless, and it keeps
+//!   the queue drained.
 //! - `enforce_retention` is a no-op that answers the start offset: Kafka's
 //!   own retention (`retention.ms`, `retention.bytes` of the topic) applies.
-//!
-//! How the consumer group will plug in (the next step, issue 11): a group
-//! consumer subscribes the application's source topics with
-//! `group.protocol = consumer` (KIP-848). In its rebalance callback, for each
-//! assigned partition it calls `split_partition_queue` and hands the queue to
-//! this log in place of the reader's (`PartitionReader` keeps its position
-//! logic; only where its messages come from changes), then asks the runtime to
-//! add the tasks; on revocation the runtime drains, commits — through the group
-//! consumer, since a KIP-848 group refuses commits from non-members — and
-//! removes the tasks before the callback returns, and the reader's queue is
-//! dropped. Internal topics (retry, changelog) stay on the reader consumer by
-//! manual assignment, as now.
 
+use super::kafka_group::{Group, GroupContext, GroupListener, GroupPartition};
 use super::{AppendListener, Log, LogError, ProducerRecord, Record, RecordPosition, Retention};
-use crate::config::Config;
+use crate::config::{Config, GroupProtocol};
 use bytes::Bytes;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::config::RDKafkaLogLevel;
@@ -96,15 +95,25 @@ const PRODUCER_DEFAULTS: &[(&str, &str)] = &[("enable.idempotence", "true"), ("l
 
 /// Apache Kafka as the application's log. See the module doc.
 pub struct KafkaLog {
+    /// This log, for what it hands out (the group's callbacks hold it weakly).
+    me: std::sync::Weak<KafkaLog>,
     bootstrap_servers: String,
     client_settings: BTreeMap<String, String>,
     replication_factor: i32,
     admin: AdminClient<ClientLog>,
     producer: ThreadedProducer<DeliveryContext>,
     reader: Arc<BaseConsumer<ClientLog>>,
-    /// One reader per topic partition read so far, each behind its own lock.
+    /// One reader per topic partition read so far, each behind its own lock:
+    /// the group's queue for a partition the group assigned here, else the
+    /// reader consumer's.
     partition_readers: Mutex<HashMap<(String, u32), SharedReader>>,
     committers: Mutex<HashMap<String, Arc<BaseConsumer<ClientLog>>>>,
+    /// The consumer group joined (`join_group`): reads of its partitions and
+    /// commits of its offsets go through it.
+    group: RwLock<Option<Arc<Group>>>,
+    /// Start and end offsets of partitions not read here, refreshed in the
+    /// background while they are asked for (see `cached_watermarks`).
+    watermark_cache: Mutex<HashMap<(String, u32), CachedWatermarks>>,
     /// Partition counts of the topics seen (they only grow in Kafka).
     partition_counts: RwLock<HashMap<String, u32>>,
     /// Per partition: one past the highest offset this log appended.
@@ -122,17 +131,75 @@ enum Event {
     Stop,
 }
 
-type SharedReader = Arc<Mutex<PartitionReader>>;
+/// A reader behind its lock, and the condvar a read waits on while the
+/// group is still assigning its partition.
+struct ReaderSlot {
+    state: Mutex<PartitionReader>,
+    assigned: Condvar,
+    /// Reads through the group consumer (fixed for the slot's life: a
+    /// partition that joins or leaves the group gets a new slot).
+    group: bool,
+}
 
-/// One topic partition's queue in the reader consumer, and where it stands.
+type SharedReader = Arc<ReaderSlot>;
+
+impl ReaderSlot {
+    fn new(reader: PartitionReader, group: bool) -> SharedReader {
+        Arc::new(ReaderSlot {
+            state: Mutex::new(reader),
+            assigned: Condvar::new(),
+            group,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PartitionReader> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Where a partition's records arrive: the reader consumer's queue (manual
+/// assignment) or the group consumer's (the group assigned it here).
+enum Queue {
+    Reader(PartitionQueue<ClientLog>),
+    Group(PartitionQueue<GroupContext>),
+}
+
+impl Queue {
+    fn poll(&self, timeout: Duration) -> Option<Result<BorrowedMessage<'_>, KafkaError>> {
+        match self {
+            Queue::Reader(queue) => queue.poll(timeout),
+            Queue::Group(queue) => queue.poll(timeout),
+        }
+    }
+}
+
+/// One topic partition's queue, and where it stands.
 struct PartitionReader {
     topic: String,
     partition: u32,
-    queue: PartitionQueue<ClientLog>,
+    queue: Queue,
     /// The offset the next message of the queue will have (the last returned + 1,
     /// or where it was assigned or sought).
     next: u64,
+    /// A group partition whose assignment is under way: reads wait for it.
+    pending: bool,
 }
+
+/// A partition's watermarks as last asked of the broker.
+struct CachedWatermarks {
+    low: u64,
+    high: u64,
+    refreshed: Instant,
+    asked: Instant,
+}
+
+/// How old cached watermarks may be when answered (the background refresh
+/// keeps partitions asked for within `WATERMARK_INTEREST` fresher than this).
+const WATERMARK_TTL: Duration = Duration::from_secs(2);
+/// Cached watermarks are refreshed while asked for within this long.
+const WATERMARK_INTEREST: Duration = Duration::from_secs(30);
+/// How often the background refresh runs.
+const WATERMARK_REFRESH: Duration = Duration::from_millis(500);
 
 impl KafkaLog {
     /// Connects to `config.bootstrap_servers` and checks that the cluster
@@ -188,7 +255,8 @@ impl KafkaLog {
             .map_err(|e| LogError::Unavailable(format!("cannot reach Kafka at {bootstrap}: {e}")))?;
 
         let (events, received) = mpsc::channel();
-        let log = Arc::new(KafkaLog {
+        let log = Arc::new_cyclic(|me| KafkaLog {
+            me: me.clone(),
             bootstrap_servers: bootstrap.to_string(),
             client_settings: client_settings.clone(),
             replication_factor,
@@ -197,6 +265,8 @@ impl KafkaLog {
             reader: Arc::new(reader),
             partition_readers: Mutex::new(HashMap::new()),
             committers: Mutex::new(HashMap::new()),
+            group: RwLock::new(None),
+            watermark_cache: Mutex::new(HashMap::new()),
             partition_counts: RwLock::new(HashMap::new()),
             appended_end: Mutex::new(HashMap::new()),
             round_robin: Mutex::new(HashMap::new()),
@@ -240,8 +310,13 @@ impl KafkaLog {
         let poller = std::thread::Builder::new()
             .name("kafka-log-poller".into())
             .spawn(move || {
+                let mut refreshed = Instant::now();
                 while !stop.load(Ordering::Relaxed) {
                     let Some(log) = weak.upgrade() else { break };
+                    if refreshed.elapsed() >= WATERMARK_REFRESH {
+                        log.refresh_watermarks();
+                        refreshed = Instant::now();
+                    }
                     let committers: Vec<_> = log
                         .committers
                         .lock()
@@ -258,10 +333,6 @@ impl KafkaLog {
                     drop(log);
                     // Blocks up to 100 ms: also how soon a dropped log is noticed.
                     match reader.poll(Duration::from_millis(100)) {
-                        Some(Ok(message)) => {
-                            eprintln!("DEBUG main queue {} {}", message.topic(), message.partition())
-                        }
-                        #[allow(unreachable_patterns)]
                         Some(Ok(message)) => tracing::error!(
                             topic = message.topic(),
                             partition = message.partition(),
@@ -375,21 +446,26 @@ impl KafkaLog {
         current % partitions
     }
 
-    /// The reader of a partition, assigned at `offset` when it is new.
+    /// The reader of a partition, assigned at `offset` to the reader consumer
+    /// when it is new (a partition of the group has its reader already).
     fn partition_reader(&self, topic: &str, partition: u32, offset: u64) -> Result<SharedReader, LogError> {
         let mut readers = self.partition_readers.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(reader) = readers.get(&(topic.to_string(), partition)) {
             return Ok(reader.clone());
         }
         let mut queue = self.split(topic, partition)?;
-        self.watch(&mut queue, topic, partition);
+        watch(&self.events, &mut queue, topic, partition);
         self.assign_at(topic, partition, offset)?;
-        let reader = Arc::new(Mutex::new(PartitionReader {
-            topic: topic.to_string(),
-            partition,
-            queue,
-            next: offset,
-        }));
+        let reader = ReaderSlot::new(
+            PartitionReader {
+                topic: topic.to_string(),
+                partition,
+                queue: Queue::Reader(queue),
+                next: offset,
+                pending: false,
+            },
+            false,
+        );
         readers.insert((topic.to_string(), partition), reader.clone());
         Ok(reader)
     }
@@ -416,40 +492,39 @@ impl KafkaLog {
             .map_err(unavailable("assign"))
     }
 
-    /// Makes records arriving in an empty queue call the append listeners.
-    /// The callback fires only when the queue goes from empty to non-empty,
-    /// and librdkafka also queues control events (a version barrier at each
-    /// assignment and seek). So it is set before the partition is assigned, and
-    /// every read serves the queue: a barrier then wakes the runtime once (a
-    /// harmless empty read) instead of leaving the queue non-empty and the
-    /// callback silent.
-    fn watch(&self, queue: &mut PartitionQueue<ClientLog>, topic: &str, partition: u32) {
-        let events = self.events.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let name: Arc<str> = topic.into();
-        queue.set_nonempty_callback(move || {
-            let _ = events.send(Event::Appended(name.clone(), partition));
-        });
+    /// Removes a partition from the reader consumer's assignment.
+    fn unassign(&self, topic: &str, partition: u32) -> Result<(), LogError> {
+        let mut unassign = TopicPartitionList::new();
+        unassign.add_partition(topic, partition as i32);
+        self.reader
+            .incremental_unassign(&unassign)
+            .map_err(unavailable("unassign"))
     }
 
     /// The high watermark librdkafka last saw in a fetch response of a
     /// partition being read; `None` when it has none yet.
     fn cached_high_watermark(&self, topic: &str, partition: u32) -> Option<u64> {
-        let known = self
+        let slot = self
             .partition_readers
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .contains_key(&(topic.to_string(), partition));
-        if !known {
-            return None;
-        }
+            .get(&(topic.to_string(), partition))
+            .cloned()?;
+        let client = if slot.group {
+            let group = self.group.read().unwrap_or_else(|e| e.into_inner()).clone()?;
+            group.consumer.client().native_ptr()
+        } else {
+            self.reader.client().native_ptr()
+        };
         let topic = std::ffi::CString::new(topic).ok()?;
         let (mut low, mut high) = (-1i64, -1i64);
-        // SAFETY: the client handle lives as long as `self.reader`; the topic is a
-        // NUL-terminated string and both out-pointers outlive the call, which
-        // only reads librdkafka's cache (rdkafka wraps the network variant only).
+        // SAFETY: the client handle lives as long as its consumer, which the
+        // log (or the group `Arc` above) holds; the topic is a NUL-terminated
+        // string and both out-pointers outlive the call, which only reads
+        // librdkafka's cache (rdkafka wraps the network variant only).
         let err = unsafe {
             rdkafka::bindings::rd_kafka_get_watermark_offsets(
-                self.reader.client().native_ptr(),
+                client,
                 topic.as_ptr(),
                 partition as i32,
                 &mut low,
@@ -486,6 +561,236 @@ impl KafkaLog {
                 Err(e) => return Err(unavailable("watermarks")(e)),
             }
         }
+    }
+
+    /// Watermarks of a partition not read here, from the cache when fresh
+    /// enough, else from the broker (then cached, and kept fresh in the
+    /// background while asked for): metadata and gauges ask for every
+    /// partition, some under the runtime's locks, and must not wait for the
+    /// network each time.
+    fn cached_watermarks(&self, topic: &str, partition: u32) -> Result<(u64, u64), LogError> {
+        let key = (topic.to_string(), partition);
+        let now = Instant::now();
+        {
+            let mut cache = self.watermark_cache.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(entry) = cache.get_mut(&key)
+                && now.duration_since(entry.refreshed) < WATERMARK_TTL
+            {
+                entry.asked = now;
+                return Ok((entry.low, entry.high));
+            }
+        }
+        let (low, high) = self.watermarks(topic, partition)?;
+        self.watermark_cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(
+                key,
+                CachedWatermarks {
+                    low,
+                    high,
+                    refreshed: Instant::now(),
+                    asked: now,
+                },
+            );
+        Ok((low, high))
+    }
+
+    /// Refreshes the cached watermarks asked for lately; forgets the others.
+    /// Runs on the poller thread, holding no lock while it asks the broker.
+    fn refresh_watermarks(&self) {
+        let due: Vec<(String, u32)> = {
+            let mut cache = self.watermark_cache.lock().unwrap_or_else(|e| e.into_inner());
+            cache.retain(|_, entry| entry.asked.elapsed() < WATERMARK_INTEREST);
+            cache
+                .iter()
+                .filter(|(_, entry)| entry.refreshed.elapsed() >= WATERMARK_TTL / 2)
+                .map(|(key, _)| key.clone())
+                .collect()
+        };
+        for (topic, partition) in due {
+            let Ok((low, high)) = self.watermarks(&topic, partition) else {
+                continue;
+            };
+            let mut cache = self.watermark_cache.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(entry) = cache.get_mut(&(topic, partition)) {
+                entry.low = low;
+                entry.high = high;
+                entry.refreshed = Instant::now();
+            }
+        }
+    }
+
+    /// Joins the consumer group `group` subscribed to `topics` with
+    /// `protocol`; `listener` hears of every assignment and revocation (see
+    /// `kafka_group`). From now on the partitions the group assigns here are
+    /// read through the group's consumer, and the group's offsets are
+    /// committed through it.
+    pub fn join_group(
+        &self,
+        group: &str,
+        topics: &[String],
+        protocol: GroupProtocol,
+        listener: Arc<dyn GroupListener>,
+    ) -> Result<(), LogError> {
+        let mut joined = self.group.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(existing) = joined.as_ref() {
+            return Err(LogError::Unavailable(format!(
+                "this log is a member of group `{}` already",
+                existing.name
+            )));
+        }
+        let config = self.client_config(READER_DEFAULTS);
+        let member = Group::join(&self.me, config, group, topics, protocol, listener)
+            .map_err(LogError::Unavailable)?;
+        *joined = Some(member);
+        Ok(())
+    }
+
+    /// Leaves the group joined with `join_group` (every partition is revoked
+    /// through the listener first); blocks until it has. Nothing if none.
+    pub fn leave_group(&self) {
+        let group = self.group.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let Some(group) = group else { return };
+        group.leave();
+        // Whatever the revocation did not release (nothing, normally).
+        let leftover: Vec<GroupPartition> = self
+            .partition_readers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(_, slot)| slot.group)
+            .map(|(key, _)| key.clone())
+            .collect();
+        self.release_group_partitions(&leftover);
+        *self.group.write().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// The group this log is a member of, if any.
+    fn member(&self, group: &str) -> Option<Arc<Group>> {
+        self.group
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .filter(|g| g.name == group)
+            .cloned()
+    }
+
+    /// The group generation (classic) or member epoch (KIP-848) of this
+    /// log's membership; `None` outside a group.
+    pub fn group_generation(&self) -> Option<i32> {
+        let group = self.group.read().unwrap_or_else(|e| e.into_inner()).clone()?;
+        Some(super::kafka_group::generation(&group.consumer))
+    }
+
+    /// In the rebalance callback, before the group assigns `partitions`:
+    /// each gets a reader on its own group queue, split before the
+    /// assignment, waiting (`pending`) until `group_partitions_assigned`. A
+    /// reader the reader consumer had for one of them is given up.
+    pub(crate) fn prepare_group_partitions(
+        &self,
+        consumer: &Arc<BaseConsumer<GroupContext>>,
+        partitions: &[GroupPartition],
+    ) {
+        let mut readers = self.partition_readers.lock().unwrap_or_else(|e| e.into_inner());
+        for (topic, partition) in partitions {
+            let Some(mut queue) = consumer.split_partition_queue(topic, *partition as i32) else {
+                tracing::error!(
+                    topic,
+                    partition,
+                    "kafka group: no queue for an assigned partition"
+                );
+                continue;
+            };
+            watch(&self.events, &mut queue, topic, *partition);
+            let slot = ReaderSlot::new(
+                PartitionReader {
+                    topic: topic.clone(),
+                    partition: *partition,
+                    queue: Queue::Group(queue),
+                    next: 0,
+                    pending: true,
+                },
+                true,
+            );
+            if let Some(old) = readers.insert((topic.clone(), *partition), slot)
+                && !old.group
+                && let Err(e) = self.unassign(topic, *partition)
+            {
+                tracing::warn!(topic, partition, error = %e, "cannot unassign a partition from the reader");
+            }
+        }
+    }
+
+    /// The group assigned `partitions`, each at `starts[p]` (where it is
+    /// missing, at the committed offset: its first read seeks): their reads
+    /// may go on, and their tasks are woken.
+    pub(crate) fn group_partitions_assigned(
+        &self,
+        partitions: &[GroupPartition],
+        starts: &BTreeMap<GroupPartition, u64>,
+    ) {
+        for key in partitions {
+            let slot = self
+                .partition_readers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(key)
+                .cloned();
+            if let Some(slot) = slot.filter(|s| s.group) {
+                let mut reader = slot.lock();
+                reader.pending = false;
+                reader.next = starts.get(key).copied().unwrap_or(u64::MAX);
+                slot.assigned.notify_all();
+            }
+            self.notify(&key.0, key.1);
+        }
+    }
+
+    /// The group took `partitions` away (their tasks are gone): their group
+    /// queues are dropped.
+    pub(crate) fn release_group_partitions(&self, partitions: &[GroupPartition]) {
+        let mut readers = self.partition_readers.lock().unwrap_or_else(|e| e.into_inner());
+        for key in partitions {
+            if readers.get(key).is_some_and(|slot| slot.group)
+                && let Some(slot) = readers.remove(key)
+            {
+                // A read still waiting for the assignment gives up.
+                let mut reader = slot.lock();
+                reader.pending = false;
+                reader.next = u64::MAX;
+                slot.assigned.notify_all();
+            }
+        }
+    }
+
+    /// Stops reading partitions of topics outside the group (a task's retry
+    /// or changelog partitions, once the task left): their queues and
+    /// prefetched records are dropped. A later read starts afresh.
+    pub fn release(&self, partitions: &[(String, u32)]) {
+        let mut readers = self.partition_readers.lock().unwrap_or_else(|e| e.into_inner());
+        for (topic, partition) in partitions {
+            let key = (topic.clone(), *partition);
+            if readers.get(&key).is_some_and(|slot| !slot.group) {
+                readers.remove(&key);
+                if let Err(e) = self.unassign(topic, *partition) {
+                    tracing::warn!(topic, partition, error = %e, "cannot unassign a partition from the reader");
+                }
+            }
+        }
+    }
+
+    /// A client configuration with the log's settings and `defaults` under them.
+    fn client_config(&self, defaults: &[(&str, &str)]) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        for (key, value) in defaults {
+            config.set(*key, *value);
+        }
+        for (key, value) in &self.client_settings {
+            config.set(key, value);
+        }
+        config.set("bootstrap.servers", &self.bootstrap_servers);
+        config
     }
 
     /// The consumer that commits for `group` (created on first use).
@@ -717,8 +1022,22 @@ impl Log for KafkaLog {
         if offset > end {
             return Ok(());
         }
-        let reader = self.partition_reader(topic, partition, offset)?;
-        let mut guard = reader.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = self.partition_reader(topic, partition, offset)?;
+        let mut guard = slot.lock();
+        if guard.pending {
+            // The group is assigning the partition right now (the rebalance
+            // callback adds its tasks, then assigns it): a moment's wait.
+            let (waited, _) = slot
+                .assigned
+                .wait_timeout_while(guard, FETCH_WAIT, |r| r.pending)
+                .unwrap_or_else(|e| e.into_inner());
+            guard = waited;
+            if guard.pending {
+                return Err(LogError::Unavailable(format!(
+                    "{topic}-{partition} was not assigned within {FETCH_WAIT:?}"
+                )));
+            }
+        }
         // A plain reference, so the queue and the position borrow apart.
         let reader: &mut PartitionReader = &mut guard;
         // At the end the reader still stands at `offset`, so that records
@@ -793,14 +1112,23 @@ impl Log for KafkaLog {
         let appended = self.appended_end(topic, partition);
         let high = match self.cached_high_watermark(topic, partition) {
             Some(high) => high,
-            None => self.watermarks(topic, partition)?.1,
+            None => self.cached_watermarks(topic, partition)?.1,
         };
         Ok(high.max(appended))
     }
 
     fn start_offset(&self, topic: &str, partition: u32) -> Result<u64, LogError> {
         self.check_partition(topic, partition)?;
-        Ok(self.watermarks(topic, partition)?.0)
+        let read_here = self
+            .partition_readers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&(topic.to_string(), partition));
+        if read_here {
+            Ok(self.watermarks(topic, partition)?.0)
+        } else {
+            Ok(self.cached_watermarks(topic, partition)?.0)
+        }
     }
 
     fn commit(&self, group: &str, topic: &str, partition: u32, offset: u64) -> Result<(), LogError> {
@@ -809,9 +1137,13 @@ impl Log for KafkaLog {
         offsets
             .add_partition_offset(topic, partition as i32, Offset::Offset(offset as i64))
             .map_err(unavailable("commit"))?;
-        self.committer(group)?
-            .commit(&offsets, CommitMode::Sync)
-            .map_err(unavailable("commit"))
+        match self.member(group) {
+            // A KIP-848 group refuses commits from a client that is not a
+            // member; Kafka accepts a member's commit of any partition.
+            Some(member) => member.consumer.commit(&offsets, CommitMode::Sync),
+            None => self.committer(group)?.commit(&offsets, CommitMode::Sync),
+        }
+        .map_err(unavailable("commit"))
     }
 
     fn committed(&self, group: &str, topic: &str, partition: u32) -> Result<Option<u64>, LogError> {
@@ -829,6 +1161,10 @@ impl Log for KafkaLog {
                 _ => None,
             });
         Ok(committed)
+    }
+
+    fn as_kafka(&self) -> Option<&KafkaLog> {
+        Some(self)
     }
 
     fn add_append_listener(&self, listener: AppendListener) {
@@ -856,30 +1192,69 @@ impl KafkaLog {
     /// Moves a partition's reader to `offset`. librdkafka drops what the queue
     /// prefetched from the old position.
     fn seek(&self, reader: &mut PartitionReader, offset: u64) -> Result<(), LogError> {
-        let sought = self.reader.seek(
-            &reader.topic,
-            reader.partition as i32,
-            Offset::Offset(offset as i64),
-            REQUEST_TIMEOUT,
-        );
-        if sought.is_err() {
+        let to = Offset::Offset(offset as i64);
+        let (topic, partition) = (reader.topic.clone(), reader.partition as i32);
+        if let Queue::Group(_) = &reader.queue {
+            // A partition the group assigned a moment ago is not fetching yet
+            // and refuses a seek ("erroneous state") until it is. It cannot be
+            // assigned again here (the group owns the assignment): ask again.
+            let group = self
+                .group
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+                .ok_or_else(|| LogError::Unavailable(format!("{topic}-{partition} left the group")))?;
+            let deadline = Instant::now() + REQUEST_TIMEOUT;
+            loop {
+                match group.consumer.seek(&topic, partition, to, REQUEST_TIMEOUT) {
+                    Ok(()) => break,
+                    Err(e) if Instant::now() >= deadline => {
+                        return Err(LogError::Unavailable(format!(
+                            "cannot seek {topic}-{partition} to {offset}: {e}"
+                        )));
+                    }
+                    // Polling librdkafka's partition state, which has no notification.
+                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
+            }
+            reader.next = offset;
+            return Ok(());
+        }
+        if self.reader.seek(&topic, partition, to, REQUEST_TIMEOUT).is_err() {
             // A partition whose fetcher stopped on an error, or that was
             // assigned a moment ago and is not fetching yet, refuses a seek
             // ("erroneous state"): assign it again at `offset` instead.
-            let mut unassign = TopicPartitionList::new();
-            unassign.add_partition(&reader.topic, reader.partition as i32);
-            self.reader
-                .incremental_unassign(&unassign)
-                .map_err(unavailable("unassign"))?;
+            self.unassign(&reader.topic, reader.partition)?;
             // The new handle is of the same librdkafka queue as the old one,
             // whose drop clears the queue's callback: replace, then watch.
-            reader.queue = self.split(&reader.topic, reader.partition)?;
-            self.watch(&mut reader.queue, &reader.topic, reader.partition);
+            let mut queue = self.split(&reader.topic, reader.partition)?;
+            watch(&self.events, &mut queue, &reader.topic, reader.partition);
+            reader.queue = Queue::Reader(queue);
             self.assign_at(&reader.topic, reader.partition, offset)?;
         }
         reader.next = offset;
         Ok(())
     }
+}
+
+/// Makes records arriving in an empty queue call the append listeners.
+/// The callback fires only when the queue goes from empty to non-empty,
+/// and librdkafka also queues control events (a version barrier at each
+/// assignment and seek). So it is set before the partition is assigned, and
+/// every read serves the queue: a barrier then wakes the runtime once (a
+/// harmless empty read) instead of leaving the queue non-empty and the
+/// callback silent.
+fn watch<C: ConsumerContext>(
+    events: &Mutex<mpsc::Sender<Event>>,
+    queue: &mut PartitionQueue<C>,
+    topic: &str,
+    partition: u32,
+) {
+    let events = events.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let name: Arc<str> = topic.into();
+    queue.set_nonempty_callback(move || {
+        let _ = events.send(Event::Appended(name.clone(), partition));
+    });
 }
 
 fn to_record(message: &BorrowedMessage<'_>, partition: u32) -> Record {
@@ -984,7 +1359,7 @@ struct Delivery {
 /// librdkafka's log lines through `tracing` (target `librdkafka`), less its
 /// warning that a setting does not apply to this kind of client: the
 /// `[kafka]` table goes to producer and consumers alike, by design.
-struct ClientLog;
+pub(crate) struct ClientLog;
 
 impl ClientContext for ClientLog {
     fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
@@ -994,7 +1369,7 @@ impl ClientContext for ClientLog {
 
 impl ConsumerContext for ClientLog {}
 
-fn forward_log(level: RDKafkaLogLevel, facility: &str, message: &str) {
+pub(crate) fn forward_log(level: RDKafkaLogLevel, facility: &str, message: &str) {
     if facility == "CONFWARN" && message.contains("will be ignored by this") {
         tracing::debug!(target: "librdkafka", "{facility} {message}");
         return;

@@ -8,11 +8,13 @@
 mod contract;
 mod durable;
 mod kafka;
+mod kafka_group;
 mod memory;
 pub mod partitioner;
 
 pub use durable::{Peeked, RedbLog};
 pub use kafka::KafkaLog;
+pub use kafka_group::{GroupListener, GroupPartition};
 pub use memory::MemoryLog;
 pub use partitioner::{murmur2, partition_for_key};
 
@@ -175,6 +177,12 @@ pub trait Log: Send + Sync + 'static {
 
     /// Registers a listener called after every append.
     fn add_append_listener(&self, listener: AppendListener);
+
+    /// The log as Apache Kafka, for what only Kafka has (consumer groups,
+    /// changelogs, transactions); `None` for the embedded logs.
+    fn as_kafka(&self) -> Option<&KafkaLog> {
+        None
+    }
 
     /// What says whether the storage under the log is failing, for a log kept on storage that
     /// can fail (`RedbLog`); `None` for one that cannot.

@@ -150,10 +150,15 @@ pub struct PipelineMetadata {
     pub dead_lettered: u64,
 }
 
+/// The state of an instance, as Kafka Streams names them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AppState {
     Starting,
     Running,
+    /// Running, while its consumer group moves partitions (Kafka mode).
+    Rebalancing,
+    /// Running, while tasks rebuild their stores (after start or a rebalance).
+    Restoring,
     ShuttingDown,
     Stopped,
 }

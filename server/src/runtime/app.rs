@@ -61,8 +61,11 @@ impl StreamsApp {
         &self.shared().config
     }
 
+    /// The instance's state: its lifecycle, and while running whether its
+    /// group rebalances (`Rebalancing`) or a task restores (`Restoring`).
     pub fn state(&self) -> AppState {
-        self.shared().app_state()
+        let shared = self.shared();
+        shared.reported_state(&shared.lock())
     }
 
     pub fn host_info(&self) -> HostInfo {
@@ -334,26 +337,7 @@ impl StreamsApp {
         partitions: &[u32],
         start: &BTreeMap<u32, u64>,
     ) -> Result<(), RuntimeError> {
-        let shared = self.shared();
-        let _membership = shared.membership.lock().unwrap_or_else(|e| e.into_inner());
-        check_live(shared)?;
-        let p = shared.pipeline_index(store)?;
-        check_partitions(shared, p, partitions)?;
-        for &partition in partitions {
-            if shared.lock().task_index(p, partition).is_some() {
-                return Err(RuntimeError::invalid_argument(
-                    "partitions",
-                    format!("partition {partition} of `{store}` is hosted here already"),
-                ));
-            }
-        }
-        for &partition in partitions {
-            let init = recovery::plan(shared, p, partition, start.get(&partition).copied())?;
-            let mut scheduler = shared.lock();
-            scheduler.add_task(init);
-            shared.wake.notify_all();
-        }
-        Ok(())
+        add_tasks(self.shared(), store, partitions, start)
     }
 
     /// Removes the tasks of `partitions` of `store`'s pipeline while running:
@@ -362,63 +346,7 @@ impl StreamsApp {
     /// and writes its state with it), the stores are closed. Blocks until
     /// done; answers `CommitFailed` naming the tasks whose last commit failed.
     pub fn remove_tasks(&self, store: &str, partitions: &[u32]) -> Result<(), RuntimeError> {
-        let shared = self.shared();
-        let _membership = shared.membership.lock().unwrap_or_else(|e| e.into_inner());
-        let p = shared.pipeline_index(store)?;
-        let mut removing = Vec::new();
-        {
-            let mut scheduler = shared.lock();
-            for &partition in partitions {
-                let index = scheduler
-                    .task_index(p, partition)
-                    .ok_or_else(|| not_hosted(shared, p, partition))?;
-                if !removing.contains(&index) {
-                    removing.push(index);
-                }
-            }
-            for &index in &removing {
-                scheduler.begin_removal(index);
-            }
-        }
-        let mut failures = Vec::new();
-        let mut scheduler = shared.lock();
-        while !removing.is_empty() {
-            let mut detached = Vec::new();
-            removing.retain(|&index| match scheduler.detach_if_idle(index) {
-                Some(task) => {
-                    detached.push((index, task));
-                    false
-                }
-                None => true,
-            });
-            if !detached.is_empty() {
-                drop(scheduler);
-                for (index, task) in detached {
-                    let item = super::scheduler::CommitItem::of(index, &task);
-                    if let Err(e) = commit::final_commit(shared, &item) {
-                        failures.push(format!("{}: {e}", task.id()));
-                    }
-                    // Dropping the task closes its store once nothing else holds it.
-                    let mut closing = shared.closing.lock().unwrap_or_else(|e| e.into_inner());
-                    closing.retain(|(_, store)| store.strong_count() > 0);
-                    closing.push((task.id().clone(), Arc::downgrade(task.store())));
-                }
-                scheduler = shared.lock();
-                continue;
-            }
-            scheduler.begin_wait();
-            let (guard, _) = shared
-                .wake
-                .wait_timeout(scheduler, POLL)
-                .unwrap_or_else(|e| e.into_inner());
-            scheduler = guard;
-            scheduler.end_wait();
-        }
-        if failures.is_empty() {
-            Ok(())
-        } else {
-            Err(RuntimeError::CommitFailed(failures))
-        }
+        remove_tasks(self.shared(), store, partitions)
     }
 
     /// Starts one more stream thread and moves its share of tasks onto it.
@@ -530,8 +458,102 @@ impl StreamsApp {
     }
 }
 
+/// `StreamsApp::add_tasks`, for the app and its group membership.
+pub(crate) fn add_tasks(
+    shared: &Shared,
+    store: &str,
+    partitions: &[u32],
+    start: &BTreeMap<u32, u64>,
+) -> Result<(), RuntimeError> {
+    let _membership = shared.membership.lock().unwrap_or_else(|e| e.into_inner());
+    check_live(shared)?;
+    let p = shared.pipeline_index(store)?;
+    check_partitions(shared, p, partitions)?;
+    for &partition in partitions {
+        if shared.lock().task_index(p, partition).is_some() {
+            return Err(RuntimeError::invalid_argument(
+                "partitions",
+                format!("partition {partition} of `{store}` is hosted here already"),
+            ));
+        }
+    }
+    for &partition in partitions {
+        let init = recovery::plan(shared, p, partition, start.get(&partition).copied())?;
+        let mut scheduler = shared.lock();
+        scheduler.add_task(init);
+        shared.wake.notify_all();
+    }
+    Ok(())
+}
+
+/// `StreamsApp::remove_tasks`, for the app and its group membership.
+pub(crate) fn remove_tasks(shared: &Shared, store: &str, partitions: &[u32]) -> Result<(), RuntimeError> {
+    let _membership = shared.membership.lock().unwrap_or_else(|e| e.into_inner());
+    let p = shared.pipeline_index(store)?;
+    let mut removing = Vec::new();
+    {
+        let mut scheduler = shared.lock();
+        for &partition in partitions {
+            let index = scheduler
+                .task_index(p, partition)
+                .ok_or_else(|| not_hosted(shared, p, partition))?;
+            if !removing.contains(&index) {
+                removing.push(index);
+            }
+        }
+        for &index in &removing {
+            scheduler.begin_removal(index);
+        }
+    }
+    let mut failures = Vec::new();
+    let mut scheduler = shared.lock();
+    while !removing.is_empty() {
+        let mut detached = Vec::new();
+        removing.retain(|&index| match scheduler.detach_if_idle(index) {
+            Some(task) => {
+                detached.push((index, task));
+                false
+            }
+            None => true,
+        });
+        if !detached.is_empty() {
+            drop(scheduler);
+            for (index, task) in detached {
+                let item = super::scheduler::CommitItem::of(index, &task);
+                if let Err(e) = commit::final_commit(shared, &item) {
+                    failures.push(format!("{}: {e}", task.id()));
+                }
+                // Dropping the task closes its store once nothing else holds it.
+                let mut closing = shared.closing.lock().unwrap_or_else(|e| e.into_inner());
+                closing.retain(|(_, store)| store.strong_count() > 0);
+                closing.push((task.id().clone(), Arc::downgrade(task.store())));
+            }
+            scheduler = shared.lock();
+            continue;
+        }
+        scheduler.begin_wait();
+        let (guard, _) = shared
+            .wake
+            .wait_timeout(scheduler, POLL)
+            .unwrap_or_else(|e| e.into_inner());
+        scheduler = guard;
+        scheduler.end_wait();
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(RuntimeError::CommitFailed(failures))
+    }
+}
+
 /// Drains, commits and stops. Idempotent; blocks until threads are joined.
+/// A member of a Kafka consumer group leaves it first: the group revokes
+/// every partition, so each task is drained and committed before another
+/// instance takes it.
 fn shutdown(shared: &Shared) -> Result<(), RuntimeError> {
+    if let Some(kafka) = shared.log.as_kafka() {
+        kafka.leave_group();
+    }
     let _membership = shared.membership.lock().unwrap_or_else(|e| e.into_inner());
     if shared.app_state() == AppState::Stopped {
         return Ok(());
@@ -579,7 +601,7 @@ fn shutdown(shared: &Shared) -> Result<(), RuntimeError> {
 /// Adding tasks needs a live app (starting is fine: restores run then too).
 fn check_live(shared: &Shared) -> Result<(), RuntimeError> {
     match shared.app_state() {
-        AppState::Running | AppState::Starting => Ok(()),
+        AppState::Running | AppState::Rebalancing | AppState::Restoring | AppState::Starting => Ok(()),
         AppState::ShuttingDown | AppState::Stopped => Err(RuntimeError::shutting_down()),
     }
 }

@@ -6,11 +6,12 @@
 
 use super::app::{AppInner, StreamsApp};
 use super::commit::Committer;
+use super::membership::Membership;
 use super::scheduler::{PipelineNames, Scheduler};
 use super::shared::{CommitCallback, CommitReport, PipelineRuntime, Shared};
 use super::{RuntimeError, driver, recovery};
 use crate::config::{Config, ConfigError};
-use crate::log::{Log, LogError, MemoryLog};
+use crate::log::{KafkaLog, Log, LogError, MemoryLog};
 use crate::metadata::{AppState, HostInfo};
 use crate::processor::{self, Processor};
 use std::collections::HashMap;
@@ -27,7 +28,17 @@ pub struct AppBuilder {
     log: Option<Arc<dyn Log>>,
     processors: HashMap<String, Arc<dyn Processor>>,
     on_commit: Option<CommitCallback>,
-    assign_all: bool,
+    assignment: Assignment,
+}
+
+/// Who decides which tasks run here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Assignment {
+    /// Every partition of every pipeline (the embedded log), or, on Kafka,
+    /// the consumer group of the `application_id`.
+    Default,
+    /// The caller, with `add_tasks` / `remove_tasks`.
+    Manual,
 }
 
 impl AppBuilder {
@@ -37,7 +48,7 @@ impl AppBuilder {
             log: None,
             processors: HashMap::new(),
             on_commit: None,
-            assign_all: true,
+            assignment: Assignment::Default,
         }
     }
 
@@ -61,10 +72,12 @@ impl AppBuilder {
     }
 
     /// Starts with no task: the caller adds and removes them with
-    /// `StreamsApp::add_tasks` / `remove_tasks` (as a consumer group assigns
-    /// partitions). By default every partition of every pipeline is a task.
+    /// `StreamsApp::add_tasks` / `remove_tasks`. By default every partition of
+    /// every pipeline is a task, or, on Kafka, the instances of one
+    /// `application_id` form a consumer group and each runs the tasks of the
+    /// partitions the group assigns it.
     pub fn manual_assignment(mut self) -> Self {
-        self.assign_all = false;
+        self.assignment = Assignment::Manual;
         self
     }
 
@@ -74,11 +87,13 @@ impl AppBuilder {
         config.validate()?;
         let (host, port) = crate::config::parse_host_port(&config.application_server)
             .map_err(|m| ConfigError::new("application_server", m))?;
-        let log: Arc<dyn Log> = match (self.log, &config.data_dir) {
-            (Some(log), _) => log,
-            (None, Some(_)) => crate::datadir::open(&config)?,
-            (None, None) => MemoryLog::new(),
+        let log: Arc<dyn Log> = match (self.log, &config.bootstrap_servers, &config.data_dir) {
+            (Some(log), _, _) => log,
+            (None, Some(_), _) => KafkaLog::connect(&config)?,
+            (None, None, Some(_)) => crate::datadir::open(&config)?,
+            (None, None, None) => MemoryLog::new(),
         };
+        let group = log.as_kafka().is_some() && self.assignment == Assignment::Default;
         for (topic, partitions) in config.topic_partitions()? {
             log.ensure_topic(&topic, partitions).map_err(|e| match e {
                 LogError::PartitionCountMismatch { .. } => {
@@ -126,7 +141,7 @@ impl AppBuilder {
             let mut scheduler = shared.lock();
             (0..threads).map(|_| scheduler.add_thread()).collect()
         };
-        if self.assign_all {
+        if self.assignment == Assignment::Default && !group {
             for pipeline in 0..shared.pipelines.len() {
                 for partition in 0..shared.pipelines[pipeline].partitions {
                     let init = recovery::plan(&shared, pipeline, partition, None)?;
@@ -154,8 +169,33 @@ impl AppBuilder {
                 driver::spawn(&shared, slot, &name);
             }
         }
+        if group {
+            join_group(&shared)?;
+        }
         Ok(app)
     }
+}
+
+/// Joins the consumer group of the `application_id`, subscribed to every
+/// pipeline's source topic: the instance is REBALANCING until its first
+/// assignment, whose tasks are added then (see `membership`).
+fn join_group(shared: &Arc<Shared>) -> Result<(), RuntimeError> {
+    let Some(kafka) = shared.log.as_kafka() else {
+        return Ok(());
+    };
+    let mut topics: Vec<String> = shared.pipelines.iter().map(|p| p.topic.to_string()).collect();
+    topics.sort();
+    topics.dedup();
+    shared.set_rebalancing(true);
+    let listener = Arc::new(Membership::new(Arc::downgrade(shared)));
+    kafka
+        .join_group(
+            &shared.config.application_id,
+            &topics,
+            shared.config.group_protocol,
+            listener,
+        )
+        .map_err(RuntimeError::from)
 }
 
 /// The pipelines as they will run: processor, topics, order.

@@ -194,16 +194,32 @@ fn write(shared: &Shared, item: &CommitItem) -> Result<Option<CommitItem>, Strin
             return Err("the store is not persistent".to_string());
         };
         return match store.finish_commit() {
-            Ok(Some(checkpoint)) => Ok(Some(CommitItem {
-                offset: checkpoint.watermark,
-                retry_offset: checkpoint.retry_offset,
-                retry_done: checkpoint.retry_done,
-                ..item.clone()
-            })),
+            Ok(Some(checkpoint)) => {
+                let written = CommitItem {
+                    offset: checkpoint.watermark,
+                    retry_offset: checkpoint.retry_offset,
+                    retry_done: checkpoint.retry_done,
+                    ..item.clone()
+                };
+                // On Kafka another instance may resume the task: the group's
+                // offsets follow the checkpoint (written after it, so they
+                // are never ahead of a store's own checkpoint).
+                if shared.log.as_kafka().is_some() {
+                    commit_positions(shared, &written)?;
+                }
+                Ok(Some(written))
+            }
             Ok(None) => Ok(None),
             Err(e) => Err(e.to_string()),
         };
     }
+    commit_positions(shared, item)?;
+    Ok(Some(item.clone()))
+}
+
+/// Writes a task's positions (source and retry) to the log's committed
+/// offsets of the application's group, those that moved.
+fn commit_positions(shared: &Shared, item: &CommitItem) -> Result<(), String> {
     let pipeline = &shared.pipelines[item.pipeline];
     let group = &shared.config.application_id;
     // Each commit may cost an fsync: write only the positions that moved.
@@ -219,7 +235,7 @@ fn write(shared: &Shared, item: &CommitItem) -> Result<Option<CommitItem>, Strin
             .commit(group, &pipeline.retry_topic, item.partition, item.retry_offset)
             .map_err(|e| e.to_string())?;
     }
-    Ok(Some(item.clone()))
+    Ok(())
 }
 
 /// The last commit of a task that leaves, or of every task at shutdown,

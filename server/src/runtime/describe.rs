@@ -165,7 +165,7 @@ pub(crate) fn describe(shared: &Shared, scheduler: &Scheduler) -> RuntimeDescrip
     RuntimeDescription {
         application_id: shared.config.application_id.clone(),
         host_info: shared.host_info.clone(),
-        state: shared.app_state(),
+        state: shared.reported_state(scheduler),
         num_stream_threads: scheduler.live_threads() as u32,
         num_reserve_threads: threads.iter().filter(|t| t.state == ThreadState::Reserve).count() as u32,
         num_retry_threads: threads.iter().filter(|t| t.state == ThreadState::Retry).count() as u32,

@@ -10,6 +10,7 @@
 //! - `commit`, `recovery`: commit rounds and final commits; where a task resumes.
 //! - `retry`, `retry_queue`: the retry topic's format, and each task's queue of it.
 //! - `subscription`: outcome feeds and subscribers.
+//! - `membership`: Kafka mode's consumer group turned into added and removed tasks.
 //! - `app`, `builder`: the library API.
 //!
 //! Scheduling state sits behind one mutex taken per unit of work (a batch of
@@ -22,6 +23,7 @@ mod commit;
 mod describe;
 mod driver;
 mod error;
+mod membership;
 mod process;
 mod recovery;
 pub mod retry;

@@ -63,6 +63,9 @@ pub(crate) struct Shared {
     pub(crate) handles: Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// Records were appended unflushed since the last flush (see `flush_log`).
     unflushed: std::sync::atomic::AtomicBool,
+    /// The consumer group is moving partitions (Kafka mode): from joining
+    /// until the first assignment, and during every rebalance step.
+    rebalancing: std::sync::atomic::AtomicBool,
     /// Stores of tasks that left, by task id, until the last reference to
     /// them (a commit still being written) is gone: a task added again waits
     /// for that before it opens its store (a file is opened once at a time).
@@ -93,6 +96,7 @@ impl Shared {
             handles: Mutex::new(Vec::new()),
             closing: Mutex::new(Vec::new()),
             unflushed: std::sync::atomic::AtomicBool::new(false),
+            rebalancing: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -135,20 +139,42 @@ impl Shared {
         }
     }
 
+    /// Sets the lifecycle state. `Rebalancing` and `Restoring` are not
+    /// lifecycle states (an instance doing either is running): see
+    /// `reported_state`.
     pub(crate) fn set_state(&self, state: AppState) {
         let value = match state {
             AppState::Starting => 0,
-            AppState::Running => 1,
+            AppState::Running | AppState::Rebalancing | AppState::Restoring => 1,
             AppState::ShuttingDown => 2,
             AppState::Stopped => 3,
         };
         self.state.store(value, Ordering::Release);
     }
 
+    pub(crate) fn set_rebalancing(&self, rebalancing: bool) {
+        self.rebalancing.store(rebalancing, Ordering::Release);
+    }
+
+    pub(crate) fn is_rebalancing(&self) -> bool {
+        self.rebalancing.load(Ordering::Acquire)
+    }
+
+    /// The state an observer sees: a running instance is `Rebalancing` while
+    /// its group moves partitions, else `Restoring` while a task rebuilds its
+    /// store.
+    pub(crate) fn reported_state(&self, scheduler: &Scheduler) -> AppState {
+        match self.app_state() {
+            AppState::Running if self.is_rebalancing() => AppState::Rebalancing,
+            AppState::Running if !scheduler.all_restored() => AppState::Restoring,
+            state => state,
+        }
+    }
+
     /// Fails unless the app is running: callers get UNAVAILABLE with a retry hint.
     pub(crate) fn ensure_running(&self) -> Result<(), RuntimeError> {
         match self.app_state() {
-            AppState::Running => Ok(()),
+            AppState::Running | AppState::Rebalancing | AppState::Restoring => Ok(()),
             AppState::Starting => Err(RuntimeError::Unavailable {
                 reason: "the instance is starting (restoring its state stores)".to_string(),
                 retry_after: Duration::from_millis(200),

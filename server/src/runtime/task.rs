@@ -266,6 +266,15 @@ impl Task {
         self.restore.is_some()
     }
 
+    /// The source offset the task's next read asks for: where the replay of
+    /// its memory store stands while it restores, else its fetch position.
+    pub(crate) fn next_source_read(&self) -> u64 {
+        match &self.restore {
+            Some(restore) => restore.next,
+            None => self.seq.fetched_end(),
+        }
+    }
+
     pub(crate) fn is_removing(&self) -> bool {
         self.removing
     }

@@ -203,6 +203,8 @@ fn service_state(state: AppState) -> pb::ServiceState {
     match state {
         AppState::Starting => pb::ServiceState::Starting,
         AppState::Running => pb::ServiceState::Running,
+        AppState::Rebalancing => pb::ServiceState::Rebalancing,
+        AppState::Restoring => pb::ServiceState::Restoring,
         // The contract has no STOPPED: a stopped instance that still answers
         // is, for a client, one that is going away.
         AppState::ShuttingDown | AppState::Stopped => pb::ServiceState::ShuttingDown,
