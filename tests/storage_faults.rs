@@ -79,7 +79,7 @@ fn fill(path: &Path) -> u64 {
 struct Server {
     addr: String,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    thread: Option<std::thread::JoinHandle<Result<(), String>>>,
 }
 
 impl Server {
@@ -97,15 +97,27 @@ impl Server {
                 let shutdown = async {
                     let _ = stopped.await;
                 };
-                if let Err(error) = taskstream_server::service::serve(app, listener, shutdown).await {
-                    eprintln!("serve failed: {error}");
-                }
-            });
+                taskstream_server::service::serve(app, listener, shutdown)
+                    .await
+                    .map_err(|error| error.to_string())
+            })
         });
         Server {
             addr,
             stop: Some(stop),
             thread: Some(thread),
+        }
+    }
+}
+
+impl Server {
+    /// Stops the server as SIGTERM does (drain, commit); answers how `serve` ended.
+    fn stop(mut self) -> Result<(), String> {
+        drop(self.stop.take());
+        match self.thread.take().map(std::thread::JoinHandle::join) {
+            Some(Ok(result)) => result,
+            Some(Err(_)) => Err("the server thread panicked".to_string()),
+            None => Ok(()),
         }
     }
 }
@@ -258,8 +270,28 @@ fn a_full_disk_makes_produce_unavailable_and_health_not_serving_until_space_retu
             }
             other => panic!("a full disk must be UNAVAILABLE with RetryInfo, got {other:?}"),
         }
-        wait_for_health(&mut health, STREAMS_SERVICE, ServingStatus::NotServing).await;
-        wait_for_health(&mut health, "", ServingStatus::NotServing).await;
+        // NOT_SERVING after each failed write. The log's probe may find room again in the
+        // pages the failed write left free in its file (then the log can write, and says
+        // so): each refused Produce makes it fail again, so one is tried between looks.
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            let streams = health_of(&mut health, STREAMS_SERVICE).await;
+            let overall = health_of(&mut health, "").await;
+            if streams == ServingStatus::NotServing && overall == ServingStatus::NotServing {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "health stayed {streams:?} while the disk was full"
+            );
+            let records = batch("retry", 200, 1_000);
+            if client.produce("events", records.clone()).await.is_ok() {
+                // It fit in pages the file had free: acknowledged, so it counts.
+                acknowledged += records.len() as u64;
+                count_by_key(&records, &mut expected);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         assert_eq!(
             health_of(&mut health, ADMIN_SERVICE).await,
             ServingStatus::Serving,
@@ -334,4 +366,129 @@ fn a_full_disk_makes_produce_unavailable_and_health_not_serving_until_space_retu
     drop(runtime);
     drop(server);
     app.shutdown().expect("a clean shutdown");
+}
+
+/// A persistent store whose commits fail on a full disk: commits are retried
+/// with backoff, health says NOT_SERVING for StreamsService, DescribeRuntime
+/// names the failing stores and since when, queries keep answering from the
+/// last commit (and say when it was written); once space returns, commits and
+/// health recover without a restart and the counts are exact.
+#[test]
+fn failing_store_commits_heal_and_say_so_meanwhile() {
+    let tmpfs = match Tmpfs::mount("48m") {
+        Ok(tmpfs) => tmpfs,
+        Err(error) if std::env::var_os("TASKSTREAM_SKIP_TMPFS_TESTS").is_some() => {
+            eprintln!("skipped (TASKSTREAM_SKIP_TMPFS_TESTS): cannot mount a tmpfs: {error}");
+            return;
+        }
+        Err(error) => panic!("cannot mount a tmpfs ({error}); this test needs root, as CI has"),
+    };
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.set_nonblocking(true).expect("non-blocking");
+    let mut config = Config::embedded_default();
+    config.application_server = listener.local_addr().expect("address").to_string();
+    config.data_dir = Some(tmpfs.0.join("data"));
+    config.commit_interval_ms = 50;
+    // Slow enough that records are still being processed and committed when the disk fills.
+    config.pipelines[0].processor = taskstream_server::ProcessorSpec::Simulate {
+        latency_ms: Some(taskstream_server::config::LatencySpec::Fixed(0.5)),
+        cpu_work_us: 0,
+        failure_rate: 0.0,
+        fail_attempts: 0,
+        seed: 1,
+    };
+    let app = StreamsApp::start(config).expect("start on the tmpfs");
+    let server = Server::start(app.clone(), listener);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let filler = tmpfs.0.join("filler");
+    runtime.block_on(async {
+        let url = format!("http://{}", server.addr);
+        let client = StreamsClient::connect(url.clone()).await.expect("connect");
+        let channel = tonic::transport::Endpoint::from_shared(url)
+            .expect("endpoint")
+            .connect()
+            .await
+            .expect("connect for health");
+        let mut health = HealthClient::new(channel);
+        let mut expected = BTreeMap::new();
+        let records = batch("store", 8_000, 20);
+        client.produce("events", records.clone()).await.expect("produce");
+        count_by_key(&records, &mut expected);
+        fill(&filler);
+
+        // Commits of the stores fail: a fault per failing store, since when, and why.
+        let deadline = Instant::now() + DEADLINE;
+        let faults = loop {
+            let faults: Vec<_> = app
+                .describe()
+                .storage_faults
+                .into_iter()
+                .filter(|f| f.component == taskstream_server::health::StorageComponent::Store)
+                .collect();
+            if !faults.is_empty() {
+                break faults;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no store commit failed on the full disk"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(faults[0].name.starts_with("counts_"), "{faults:?}");
+        assert!(faults[0].error.contains("No space left on device"), "{faults:?}");
+        wait_for_health(&mut health, STREAMS_SERVICE, ServingStatus::NotServing).await;
+        // Queries answer meanwhile, from each store's last commit.
+        let answered = app
+            .query_range("counts", None, None, &[], 0)
+            .expect("a range query while full");
+        assert_eq!(answered.len(), 8);
+
+        std::fs::remove_file(&filler).expect("free the space");
+        wait_for_health(&mut health, STREAMS_SERVICE, ServingStatus::Serving).await;
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            let description = app.describe();
+            let settled = description
+                .tasks
+                .iter()
+                .all(|t| t.watermark == t.end_offset && t.committed_offset == t.end_offset);
+            if settled && description.storage_faults.is_empty() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "commits did not recover: {description:#?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let mut counted = BTreeMap::new();
+        let mut newest_commit = None;
+        for partition in app
+            .query_range("counts", None, None, &[], 0)
+            .expect("range query")
+        {
+            newest_commit = newest_commit.max(partition.committed_at);
+            for (key, value) in partition.entries {
+                let count: u64 = std::str::from_utf8(&value)
+                    .expect("utf-8")
+                    .parse()
+                    .expect("a count");
+                counted.insert(key.to_vec(), count);
+            }
+        }
+        assert_eq!(
+            counted, expected,
+            "counts per key are exact after the commits healed"
+        );
+        assert!(
+            newest_commit.is_some(),
+            "a persistent store says when its answer was committed"
+        );
+    });
+    drop(runtime);
+    server.stop().expect("a clean shutdown once the disk has room");
 }

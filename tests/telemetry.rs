@@ -271,3 +271,151 @@ fn log_format_json_writes_one_object_per_line_with_the_rpc_span_fields() {
         .collect();
     assert_eq!(produced, ["OK", "OK", "NOT_FOUND"], "{stderr}");
 }
+
+/// The sum of every series of `name` whose labels contain `label`.
+fn sum_of(scrape: &str, name: &str, label: &str) -> f64 {
+    scrape
+        .lines()
+        .filter(|line| line.starts_with(&format!("{name}{{")) && line.contains(label))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The largest value of any series of `name`.
+fn max_of(scrape: &str, name: &str) -> f64 {
+    scrape
+        .lines()
+        .filter(|line| line.starts_with(&format!("{name}{{")))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .fold(0.0, f64::max)
+}
+
+/// Polls scrapes of `metrics` until `done` holds for one; answers it.
+fn scrape_until(metrics: &str, what: &str, done: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let text = scrape(metrics);
+        if done(&text) {
+            return text;
+        }
+        assert!(Instant::now() < deadline, "never saw {what} in:\n{text}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// What each thread of each task is doing, after a known workload: records per
+/// task add up to the records produced, a task is worked by T threads at once
+/// under load, and the subscriber gauge follows streams opening and closing.
+#[test]
+fn per_task_and_per_thread_metrics_follow_a_known_workload() {
+    let dir = taskstream_server::scratch::scratch_dir("telemetry").expect("scratch dir");
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        r#"
+application_id = "telemetry"
+num_stream_threads = 4
+num_threads_per_task = 2
+commit_interval_ms = 20
+
+[[topics]]
+name = "events"
+partitions = 4
+
+[[pipelines]]
+name = "counts"
+source_topic = "events"
+processor = { type = "simulate", latency_ms = 2 }
+"#,
+    )
+    .expect("write the config");
+    let server = Server::start(
+        &[
+            "--config",
+            config.to_str().expect("utf-8 path"),
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
+        "info",
+    );
+    let metrics = server.metrics_addr();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    const RECORDS: usize = 2_000;
+    runtime.block_on(async {
+        let client = StreamsClient::connect(format!("http://{}", server.addr))
+            .await
+            .expect("connect");
+        let records = (0..RECORDS)
+            .map(|i| keyed_record(format!("k{}", i % 50), "v"))
+            .collect();
+        client.produce("events", records).await.expect("produce");
+    });
+    // Under load, two threads are inside one task at a sample.
+    scrape_until(&metrics, "a task worked by T = 2 threads", |text| {
+        max_of(text, "taskstream_task_active_threads") >= 2.0
+    });
+    let text = scrape_until(&metrics, "every record processed, per task", |text| {
+        sum_of(text, "taskstream_task_records_total", r#"outcome="processed""#) >= RECORDS as f64
+    });
+    assert_eq!(
+        sum_of(&text, "taskstream_task_records_total", r#"outcome="processed""#),
+        RECORDS as f64,
+        "per-task counts add up to the records produced"
+    );
+    for partition in 0..4 {
+        let task = format!(r#"task="counts_{partition}""#);
+        assert!(
+            sum_of(&text, "taskstream_task_records_total", &task) > 0.0,
+            "{task}"
+        );
+        assert!(
+            sum_of(&text, "taskstream_process_seconds_count", &task) > 0.0,
+            "{task}"
+        );
+    }
+    assert!(
+        sum_of(
+            &text,
+            "taskstream_thread_busy_microseconds_total",
+            r#"role="owner""#
+        ) > 0.0
+    );
+
+    // 100 streams open, then all go away.
+    runtime.block_on(async {
+        let client = StreamsClient::connect(format!("http://{}", server.addr))
+            .await
+            .expect("connect");
+        let handles: Vec<_> = (0..100)
+            .map(|_| {
+                client.get_metadata_async(
+                    "counts",
+                    taskstream_client::MetadataOptions::follow(),
+                    |_: Result<taskstream_client::MetadataBatch, ClientError>| {},
+                )
+            })
+            .collect();
+        let metrics = metrics.clone();
+        tokio::task::spawn_blocking(move || {
+            scrape_until(&metrics, "100 subscribers", |text| {
+                value(text, r#"taskstream_stream_subscribers{pipeline="counts"}"#) == Some(100.0)
+            })
+        })
+        .await
+        .expect("scrape");
+        for handle in &handles {
+            handle.cancel();
+        }
+        for handle in handles {
+            handle.join().await;
+        }
+    });
+    scrape_until(&metrics, "no subscriber left", |text| {
+        value(text, r#"taskstream_stream_subscribers{pipeline="counts"}"#) == Some(0.0)
+    });
+    server.stop();
+}

@@ -320,6 +320,7 @@ mod tests {
             partition,
             position: 10,
             entries,
+            committed_at_ms: 0,
         }
     }
 

@@ -293,6 +293,32 @@ fn shutdown_reports_the_commits_that_failed() {
     }
 }
 
+/// What the binary does on SIGTERM (`service::serve` drains and commits):
+/// commits that fail make it end with an error naming the tasks, so the
+/// binary exits non-zero instead of printing "watermarks committed".
+#[test]
+fn a_server_stopped_while_commits_fail_ends_with_an_error() {
+    let mut cfg = config(1, 1, ProcessingOrder::Offset, "count");
+    cfg.pipelines[0].processor = ProcessorSpec::Count;
+    cfg.commit_interval_ms = 60_000;
+    let app = StreamsApp::builder(cfg).log(faulty(true, 0)).start().unwrap();
+    app.produce("in", vec![ProducerRecord::keyed("k", "1")]).unwrap();
+    assert!(app.wait_until_caught_up(WAIT));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let served = runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        // Shut down at once, as on a signal that arrives right away.
+        service::serve(app, listener, async {}).await
+    });
+    let error = served
+        .expect_err("failed commits end the server with an error")
+        .to_string();
+    assert!(error.contains("p_0"), "{error}");
+}
+
 #[test]
 fn a_failed_fetch_is_retried_without_waiting_for_the_next_append() {
     let mut cfg = config(1, 1, ProcessingOrder::Offset, "count");

@@ -720,6 +720,12 @@ impl Pending {
 
 /// How often a failing log checks whether it can write again, at first and at most.
 const PROBE_MIN: Duration = Duration::from_millis(100);
+
+/// Bytes a probe must be able to write for a failing log to count as healed.
+const PROBE_ROOM: usize = 1 << 20;
+
+/// Where a probe writes its `PROBE_ROOM` bytes (removed again at once).
+const PROBE_ROOM_TABLE: TableDefinition<&str, &[u8]> = TableDefinition::new("probe_room");
 const PROBE_MAX: Duration = Duration::from_secs(2);
 
 struct Writer {
@@ -830,8 +836,10 @@ impl Writer {
             .recovered(StorageComponent::Log, &self.shared.path);
     }
 
-    /// Whether the log can write again: reopens the file if it is closed, then commits a small
-    /// durable write. Runs only while failing.
+    /// Whether the log can write again: reopens the file if it is closed, then durably writes
+    /// `PROBE_ROOM` bytes and removes them again. A tiny write could fit in pages the file
+    /// already has free while a real batch still finds the disk full, and health would flap.
+    /// Runs only while failing.
     fn probe(&mut self) -> bool {
         let closed = self.shared.db.read().unwrap_or_else(|e| e.into_inner()).is_none();
         if closed && self.reopen().is_err() {
@@ -842,8 +850,17 @@ impl Writer {
             let Some(db) = db.as_ref() else {
                 return Err(redb::Error::DatabaseClosed);
             };
+            let room = vec![0u8; PROBE_ROOM];
             let mut txn = db.begin_write()?;
             txn.set_durability(Durability::Immediate)?;
+            {
+                let mut probe = txn.open_table(PROBE_ROOM_TABLE)?;
+                probe.insert(PROBE_KEY, room.as_slice())?;
+            }
+            txn.commit()?;
+            let mut txn = db.begin_write()?;
+            txn.set_durability(Durability::Immediate)?;
+            txn.open_table(PROBE_ROOM_TABLE)?.remove(PROBE_KEY)?;
             txn.open_table(PROBE)?.insert(PROBE_KEY, now_ms())?;
             txn.commit()?;
             Ok(())
@@ -1204,12 +1221,8 @@ impl Log for RedbLog {
         self.append_with(topic, records, true)
     }
 
-    fn append_unflushed(
-        &self,
-        topic: &str,
-        records: Vec<ProducerRecord>,
-    ) -> Result<Vec<RecordPosition>, LogError> {
-        self.append_with(topic, records, false)
+    fn append_unflushed(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<(), LogError> {
+        self.append_with(topic, records, false).map(drop)
     }
 
     fn flush(&self) -> Result<(), LogError> {

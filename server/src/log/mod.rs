@@ -139,12 +139,8 @@ pub trait Log: Send + Sync + 'static {
     /// The runtime appends failed records this way and flushes before the commit
     /// that covers them, so a record never counts as done while its retry entry
     /// could still vanish. Default: `append`.
-    fn append_unflushed(
-        &self,
-        topic: &str,
-        records: Vec<ProducerRecord>,
-    ) -> Result<Vec<RecordPosition>, LogError> {
-        self.append(topic, records)
+    fn append_unflushed(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<(), LogError> {
+        self.append(topic, records).map(drop)
     }
 
     /// Makes every record appended so far durable. Default: nothing to do.

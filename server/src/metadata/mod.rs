@@ -51,6 +51,12 @@ pub struct TaskMetadata {
     pub records_processed: u64,
     pub records_failed: u64,
     pub records_dead_lettered: u64,
+    /// Threads inside the task at this instant.
+    pub active_threads: u32,
+    /// Completed records waiting for earlier ones in the sequencer.
+    pub held_records: u64,
+    /// When the task's last commit succeeded (none since the start: `None`).
+    pub last_commit: Option<std::time::SystemTime>,
 }
 
 /// What one instance hosts, as Kafka Streams' StreamsMetadata, plus its tasks.
@@ -91,6 +97,9 @@ pub struct PartitionQueryResult {
     /// The task's watermark when the store was read.
     pub position: u64,
     pub entries: Vec<(Bytes, Bytes)>,
+    /// A persistent store answers from its last commit: when it was written
+    /// (`None` for a live answer, or no commit since the start).
+    pub committed_at: Option<std::time::SystemTime>,
 }
 
 /// The answer to `read_topic`: records of one partition, and the offsets that
@@ -176,6 +185,8 @@ pub struct RuntimeDescription {
     pub threads: Vec<ThreadMetadata>,
     pub pipelines: Vec<PipelineMetadata>,
     pub tasks: Vec<TaskMetadata>,
+    /// Storage that cannot be read or written right now.
+    pub storage_faults: Vec<crate::health::StorageFault>,
 }
 
 /// The outcome of one record.

@@ -1,6 +1,8 @@
-//! Prometheus metrics through the `metrics` facade: record counts by outcome,
-//! retry backlog, dead-lettered records, lag and threads by state, storage
-//! errors, and gRPC calls by method and code (`service::RpcTelemetryLayer`). The runtime
+//! Prometheus metrics through the `metrics` facade: record counts by outcome
+//! (per pipeline and per task), processing time, what the threads of each task
+//! are doing, retry backlog, dead-lettered records, lag, commits, restores,
+//! subscribers, storage errors, and gRPC calls by method and code
+//! (`service::RpcTelemetryLayer`). The runtime
 //! only records (a no-op without a recorder); the binary installs the
 //! Prometheus recorder and serves `GET /metrics` (`serve`).
 
@@ -18,6 +20,26 @@ pub const COMMITS: &str = "taskstream_commits_total";
 pub const STORAGE_ERRORS: &str = "taskstream_storage_errors_total";
 pub const RPC_REQUESTS: &str = "taskstream_rpc_requests_total";
 pub const RPC_DURATION: &str = "taskstream_rpc_duration_seconds";
+pub const TASK_RECORDS: &str = "taskstream_task_records_total";
+pub const PROCESS_SECONDS: &str = "taskstream_process_seconds";
+pub const TASK_ACTIVE_THREADS: &str = "taskstream_task_active_threads";
+pub const TASK_IN_FLIGHT: &str = "taskstream_task_in_flight_records";
+pub const TASK_HELD: &str = "taskstream_task_sequencer_held_records";
+pub const THREAD_BUSY: &str = "taskstream_thread_busy_microseconds_total";
+pub const COMMIT_DURATION: &str = "taskstream_commit_duration_seconds";
+pub const RESTORE_REMAINING: &str = "taskstream_restore_remaining_records";
+pub const SUBSCRIBERS: &str = "taskstream_stream_subscribers";
+pub const SUBSCRIBER_LAGGED: &str = "taskstream_subscriber_lagged_batches_total";
+
+/// Buckets of `PROCESS_SECONDS`: from a no-op record (about a microsecond) to a slow call.
+const PROCESS_BUCKETS: &[f64] = &[
+    0.000_001, 0.000_005, 0.000_025, 0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0,
+];
+
+/// Buckets of `COMMIT_DURATION`: from a position write to a large store's fsync.
+const COMMIT_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+];
 
 /// Buckets of `RPC_DURATION`, in seconds: from a fast unary call to a long stream.
 const RPC_DURATION_BUCKETS: &[f64] = &[
@@ -53,6 +75,49 @@ fn describe() {
         "gRPC call duration, to the end of the response stream, by method and status code"
     );
     metrics::describe_counter!(
+        TASK_RECORDS,
+        "Record outcomes by task (pipeline_partition) and outcome"
+    );
+    metrics::describe_histogram!(
+        PROCESS_SECONDS,
+        metrics::Unit::Seconds,
+        "Time to process one record, by task: each unit of work's time over its records"
+    );
+    metrics::describe_gauge!(
+        TASK_ACTIVE_THREADS,
+        "Threads inside a task at the last sample (commit round)"
+    );
+    metrics::describe_gauge!(
+        TASK_IN_FLIGHT,
+        "Records of a task fetched and not yet below its watermark"
+    );
+    metrics::describe_gauge!(
+        TASK_HELD,
+        "Records of a task completed and waiting for earlier ones (the sequencer's depth)"
+    );
+    metrics::describe_counter!(
+        THREAD_BUSY,
+        metrics::Unit::Microseconds,
+        "Time each stream thread spent working, by role (owner, helper, retry, restore)"
+    );
+    metrics::describe_histogram!(
+        COMMIT_DURATION,
+        metrics::Unit::Seconds,
+        "Time to write one task's commit (store checkpoint or log positions)"
+    );
+    metrics::describe_gauge!(
+        RESTORE_REMAINING,
+        "Source records a restoring task has still to replay"
+    );
+    metrics::describe_gauge!(
+        SUBSCRIBERS,
+        "Open outcome subscriptions (GetMetadataAsync streams) by pipeline"
+    );
+    metrics::describe_counter!(
+        SUBSCRIBER_LAGGED,
+        "Outcome batches dropped for subscribers too slow for their buffer, by pipeline"
+    );
+    metrics::describe_counter!(
         STORAGE_ERRORS,
         "Failed storage operations by component (log, store); each heals or keeps failing"
     );
@@ -65,7 +130,13 @@ pub fn install() -> Result<PrometheusHandle, String> {
         .get_or_init(|| {
             let handle = PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Full(RPC_DURATION.to_string()), RPC_DURATION_BUCKETS)
-                .map_err(|e| format!("cannot set the RPC latency buckets: {e}"))?
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Full(PROCESS_SECONDS.to_string()), PROCESS_BUCKETS)
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Full(COMMIT_DURATION.to_string()), COMMIT_BUCKETS)
+                })
+                .map_err(|e| format!("cannot set the histogram buckets: {e}"))?
                 .install_recorder()
                 .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
             describe();
@@ -99,8 +170,8 @@ pub async fn serve(listener: TcpListener, handle: PrometheusHandle) {
     }
 }
 
-/// Counts a batch's outcomes for `pipeline`.
-pub(crate) fn record_outcomes(pipeline: &str, records: &[crate::metadata::RecordOutcome]) {
+/// Counts a batch's outcomes for `pipeline` and its task `task`.
+pub(crate) fn record_outcomes(pipeline: &str, task: &str, records: &[crate::metadata::RecordOutcome]) {
     use crate::metadata::Outcome;
     let mut counts = [0u64; 4];
     for record in records {
@@ -117,6 +188,8 @@ pub(crate) fn record_outcomes(pipeline: &str, records: &[crate::metadata::Record
     {
         if count > 0 {
             metrics::counter!(RECORDS, "pipeline" => pipeline.to_string(), "outcome" => outcome)
+                .increment(count);
+            metrics::counter!(TASK_RECORDS, "task" => task.to_string(), "outcome" => outcome)
                 .increment(count);
         }
     }

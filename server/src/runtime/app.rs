@@ -76,6 +76,11 @@ impl StreamsApp {
         self.shared().log.clone()
     }
 
+    /// The storage faults of the log and the stores, as they happen.
+    pub fn storage_health(&self) -> Arc<crate::health::StorageHealth> {
+        self.shared().health.clone()
+    }
+
     /// Appends records to a topic of the log.
     pub fn produce(
         &self,
@@ -310,6 +315,7 @@ impl StreamsApp {
             history,
             receiver,
             Box::new(watermark_of),
+            pipeline.name.clone(),
         ))
     }
 
@@ -682,7 +688,7 @@ fn read_partition(
     to: Option<&[u8]>,
     limit: usize,
 ) -> Result<PartitionQueryResult, RuntimeError> {
-    let (store, live, start) = {
+    let (store, live, start, committed_at) = {
         let scheduler = shared.lock();
         let task = scheduler
             .task_index(pipeline, partition)
@@ -694,7 +700,13 @@ fn read_partition(
                 retry_after: Duration::from_millis(200),
             });
         }
-        (task.store().clone(), task.watermark(), task.history_start())
+        let committed_at = task.is_persistent().then(|| task.committed_at()).flatten();
+        (
+            task.store().clone(),
+            task.watermark(),
+            task.history_start(),
+            committed_at,
+        )
     };
     let read = store
         .read(from, to, limit, live, start)
@@ -706,5 +718,6 @@ fn read_partition(
         partition,
         position: read.position,
         entries: read.entries,
+        committed_at,
     })
 }

@@ -6,6 +6,7 @@
 
 use super::scheduler::{CommitItem, FreezeResult};
 use super::shared::{CommitReport, Shared};
+use crate::health::StorageComponent;
 use crate::log::Retention;
 use crate::store::{Checkpoint, FreezeError};
 use std::sync::{Arc, Mutex, mpsc};
@@ -67,25 +68,23 @@ fn checkpoint(item: &CommitItem) -> Checkpoint {
 /// Freezes a persistent store's commit (what its checkpoint covers). A
 /// previous commit still pending (being written, or failed to be) is
 /// written first, so one failure does not stop every later commit.
-fn freeze(item: &CommitItem) -> FreezeResult {
+/// Err: the earlier commit still cannot be written (a storage fault).
+fn freeze(item: &CommitItem) -> Result<FreezeResult, String> {
     let Some(store) = item.store.as_ref().and_then(|s| s.persistent()) else {
-        return FreezeResult::Frozen;
+        return Ok(FreezeResult::Frozen);
     };
     let checkpoint = checkpoint(item);
     match store.begin_commit(&checkpoint) {
-        Ok(true) => return FreezeResult::Frozen,
+        Ok(true) => return Ok(FreezeResult::Frozen),
         Ok(false) => {}
-        Err(FreezeError) => return FreezeResult::OutOfOrder,
+        Err(FreezeError) => return Ok(FreezeResult::OutOfOrder),
     }
-    if let Err(e) = store.finish_commit() {
-        tracing::warn!(task = %item.task_id, error = %e, "an earlier commit still cannot be written");
-        return FreezeResult::Busy;
-    }
-    match store.begin_commit(&checkpoint) {
+    store.finish_commit().map_err(|e| e.to_string())?;
+    Ok(match store.begin_commit(&checkpoint) {
         Ok(true) => FreezeResult::Frozen,
         Ok(false) => FreezeResult::Busy,
         Err(FreezeError) => FreezeResult::OutOfOrder,
-    }
+    })
 }
 
 /// Carries out commits due now: freezes first (a task waiting idle for its
@@ -105,14 +104,21 @@ pub(crate) fn run(shared: &Shared, items: Vec<CommitItem>) {
         shared.wake_waiters(&scheduler);
         drop(scheduler);
         for item in &items {
-            report(shared, item, Err(error.clone()));
+            failed(shared, item, &error);
         }
         return;
     }
     let mut ready = Vec::with_capacity(items.len());
     let mut results = Vec::with_capacity(items.len());
+    let mut faults = Vec::new();
     for item in items {
-        let result = freeze(&item);
+        let result = match freeze(&item) {
+            Ok(result) => result,
+            Err(error) => {
+                faults.push((item.clone(), error));
+                FreezeResult::Busy
+            }
+        };
         results.push((item.clone(), result));
         if result == FreezeResult::Frozen {
             ready.push(item);
@@ -124,6 +130,9 @@ pub(crate) fn run(shared: &Shared, items: Vec<CommitItem>) {
             scheduler.frozen(item, *result);
         }
         shared.wake_waiters(&scheduler);
+    }
+    for (item, error) in faults {
+        failed(shared, &item, &error);
     }
     if ready.is_empty() {
         return;
@@ -156,18 +165,40 @@ fn write_all(shared: &Shared, items: &[CommitItem]) {
 /// thread may have written this store's frozen commit already, then there is
 /// nothing to report here).
 fn write_and_report(shared: &Shared, item: &CommitItem) -> Result<(), String> {
-    match write(shared, item) {
+    let started = std::time::Instant::now();
+    let written = write(shared, item);
+    metrics::histogram!(crate::metrics::COMMIT_DURATION).record(started.elapsed().as_secs_f64());
+    match written {
         Ok(Some(written)) => {
-            shared.lock().commit_applied(&written, true);
+            let healed = shared
+                .lock()
+                .commit_applied(&written, true, std::time::Instant::now());
+            if healed && written.store.is_some() {
+                shared.health.recovered(StorageComponent::Store, &written.task_id);
+            }
             report(shared, &written, Ok(()));
             Ok(())
         }
         Ok(None) => Ok(()),
         Err(e) => {
-            report(shared, item, Err(e.clone()));
+            failed(shared, item, &e);
             Err(e)
         }
     }
+}
+
+/// A commit that could not be written: reported, backed off, and (for a
+/// store) a storage fault until a later commit of the task succeeds.
+fn failed(shared: &Shared, item: &CommitItem, error: &str) {
+    shared
+        .lock()
+        .commit_applied(item, false, std::time::Instant::now());
+    if item.store.is_some() {
+        shared
+            .health
+            .failed(StorageComponent::Store, &item.task_id, &error);
+    }
+    report(shared, item, Err(error.to_string()));
 }
 
 fn report(shared: &Shared, item: &CommitItem, result: Result<(), String>) {
@@ -245,15 +276,16 @@ fn commit_positions(shared: &Shared, item: &CommitItem) -> Result<(), String> {
 pub(crate) fn final_commit(shared: &Shared, item: &CommitItem) -> Result<(), String> {
     let _serial = shared.commit_lock.lock().unwrap_or_else(|e| e.into_inner());
     if let Err(error) = shared.flush_log() {
-        report(shared, item, Err(error.clone()));
+        failed(shared, item, &error);
         return Err(error);
     }
     let error = match freeze(item) {
-        FreezeResult::Frozen => return write_and_report(shared, item),
-        FreezeResult::Busy => "the store's previous commit could not be written".to_string(),
-        FreezeResult::OutOfOrder => FreezeError.to_string(),
+        Ok(FreezeResult::Frozen) => return write_and_report(shared, item),
+        Ok(FreezeResult::Busy) => "the store's previous commit could not be written".to_string(),
+        Ok(FreezeResult::OutOfOrder) => FreezeError.to_string(),
+        Err(error) => error,
     };
-    report(shared, item, Err(error.clone()));
+    failed(shared, item, &error);
     Err(error)
 }
 
@@ -316,13 +348,21 @@ pub(crate) fn enforce_retention(shared: &Shared) {
 /// Sets the gauges of `crate::metrics` from the scheduler's state and the log.
 pub(crate) fn publish_gauges(shared: &Shared) {
     use crate::metadata::ThreadState;
-    use crate::metrics::{DEAD_LETTERED, LAG, RETRY_BACKLOG, THREADS};
+    use crate::metrics::{
+        DEAD_LETTERED, LAG, RESTORE_REMAINING, RETRY_BACKLOG, TASK_ACTIVE_THREADS, TASK_HELD, TASK_IN_FLIGHT,
+        THREADS,
+    };
     // (pipeline, partition, watermark, retry watermark, final retries above it)
     let (tasks, by_state) = {
         let scheduler = shared.lock();
         let tasks: Vec<(usize, u32, u64, u64, u64)> = scheduler
             .tasks()
             .map(|(_, t)| {
+                let task = t.id().to_string();
+                metrics::gauge!(TASK_ACTIVE_THREADS, "task" => task.clone()).set(t.active() as f64);
+                metrics::gauge!(TASK_IN_FLIGHT, "task" => task.clone()).set(t.in_flight() as f64);
+                metrics::gauge!(TASK_HELD, "task" => task.clone()).set(t.held_completed() as f64);
+                metrics::gauge!(RESTORE_REMAINING, "task" => task).set(t.restore_remaining() as f64);
                 let retry = t.retry();
                 (
                     t.pipeline(),

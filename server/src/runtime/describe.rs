@@ -72,6 +72,9 @@ pub(crate) fn task_metadata(
         records_processed: counters.processed,
         records_failed: counters.failed,
         records_dead_lettered: counters.dead_lettered,
+        active_threads: task.active() as u32,
+        held_records: task.held_completed() as u64,
+        last_commit: task.committed_at(),
     }
 }
 
@@ -177,5 +180,6 @@ pub(crate) fn describe(shared: &Shared, scheduler: &Scheduler) -> RuntimeDescrip
             .map(|(i, p)| pipeline_metadata(shared, scheduler, i, p))
             .collect(),
         tasks,
+        storage_faults: shared.health.faults(),
     }
 }

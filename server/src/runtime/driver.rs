@@ -195,7 +195,17 @@ fn run_unit(shared: &Shared, me: usize, task: usize, unit: WorkUnit, context: Un
     let Holding::Unit(_, unit) = &guard.holding else {
         return;
     };
-    let done = process::run_unit(shared, &context, unit);
+    let span = tracing::debug_span!(
+        "unit",
+        task = %context.task_id,
+        thread = %context.thread,
+        first = unit.records.first().map_or(0, |r| r.offset),
+        last = unit.records.last().map_or(0, |r| r.offset),
+        records = unit.records.len(),
+    );
+    let started = Instant::now();
+    let done = span.in_scope(|| process::run_unit(shared, &context, unit));
+    context.count_busy(if context.owner { "owner" } else { "helper" }, started.elapsed());
     drop(context);
     let commit = {
         let mut scheduler = shared.lock();
@@ -284,7 +294,10 @@ fn run_retries(shared: &Shared, me: usize, task: usize, items: Vec<RetryItem>, c
     let Holding::Retries(_, items) = &guard.holding else {
         return;
     };
-    let done = process::run_retries(shared, &context, items.clone());
+    let span = tracing::debug_span!("retries", task = %context.task_id, thread = %context.thread, items = items.len());
+    let started = Instant::now();
+    let done = span.in_scope(|| process::run_retries(shared, &context, items.clone()));
+    context.count_busy("retry", started.elapsed());
     drop(context);
     let commit = {
         let mut scheduler = shared.lock();
@@ -313,7 +326,10 @@ fn restore(
         me,
         holding: Holding::Restore(task),
     };
-    let next = match process::restore_chunk(shared, &context, from, until, skip) {
+    let started = Instant::now();
+    let replayed = process::restore_chunk(shared, &context, from, until, skip);
+    context.count_busy("restore", started.elapsed());
+    let next = match replayed {
         Ok(next) => Some(next),
         Err(e) => {
             tracing::error!(task = %context.task_id, error = %e, "restore read failed; retrying");

@@ -113,27 +113,40 @@ fn attempt(
     result
 }
 
-/// Appends failed records to the retry or dead-letter topic, trying a few
-/// times. The append is not flushed here: a commit flushes the log before it
-/// covers these records (see `commit.rs`), so they count as completed only
-/// once they are durably on their path, and a unit does not wait for an fsync.
+/// The first wait after a failed append of failed records, doubling up to the cap.
+const APPEND_BACKOFF_FIRST: Duration = Duration::from_millis(10);
+const APPEND_BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// Appends failed records to the retry or dead-letter topic. The append is not
+/// flushed here: a commit flushes the log before it covers these records (see
+/// `commit.rs`), so they count as completed only once they are durably on
+/// their path, and a unit does not wait for an fsync. While the log cannot
+/// write (a full disk) the thread waits for it to heal, with backoff, rather
+/// than lose the records' retries; it gives up only on an error no wait can
+/// mend (an unknown topic) or when the app shuts down.
 fn append_failed(shared: &Shared, topic: &str, records: Vec<ProducerRecord>) -> Result<(), String> {
+    use crate::log::LogError;
     if records.is_empty() {
         return Ok(());
     }
-    let mut last_error = String::new();
-    for pause_ms in [0, 10, 100, 1_000] {
-        std::thread::sleep(Duration::from_millis(pause_ms));
-        match shared.log.append_unflushed(topic, records.clone()) {
-            Ok(_) => {
+    let mut backoff = APPEND_BACKOFF_FIRST;
+    loop {
+        let error = match shared.log.append_unflushed(topic, records.clone()) {
+            Ok(()) => {
                 shared.note_unflushed();
                 return Ok(());
             }
-            Err(e) => last_error = e.to_string(),
+            Err(error) => error,
+        };
+        let healable = matches!(error, LogError::Unavailable(_) | LogError::Storage { .. });
+        if !healable || shared.app_state() != crate::metadata::AppState::Running {
+            tracing::error!(topic, %error, "could not append failed records");
+            return Err(error.to_string());
         }
+        tracing::warn!(topic, %error, wait = ?backoff, "cannot append failed records yet; waiting for the log");
+        std::thread::sleep(backoff);
+        backoff = (backoff * 2).min(APPEND_BACKOFF_MAX);
     }
-    tracing::error!(topic, error = %last_error, "could not append failed records");
-    Err(last_error)
 }
 
 fn failure(kind: String, message: String) -> Failure {
@@ -291,7 +304,12 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
             }
         }
     }
-    crate::metrics::record_outcomes(&pipeline.name, &outcomes);
+    crate::metrics::record_outcomes(&pipeline.name, &context.task_id, &outcomes);
+    if !outcomes.is_empty() {
+        let per_record = started.elapsed().as_secs_f64() / outcomes.len() as f64;
+        metrics::histogram!(crate::metrics::PROCESS_SECONDS, "task" => context.task_id.to_string())
+            .record(per_record);
+    }
     UnitDone {
         lane: unit.lane,
         outcomes,
@@ -413,7 +431,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
             again.push(item);
         }
     }
-    crate::metrics::record_outcomes(&pipeline.name, &outcomes);
+    crate::metrics::record_outcomes(&pipeline.name, &context.task_id, &outcomes);
     RetriesDone {
         finished,
         again,

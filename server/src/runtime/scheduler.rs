@@ -371,6 +371,7 @@ impl Scheduler {
             tag_writes: t.tagged_commits(),
             settled_below: t.watermark(),
             record_threads: t.held_release(),
+            owner: t.owner() == thread,
         }
     }
 
@@ -671,7 +672,7 @@ impl Scheduler {
             let Some(task) = self.tasks[t].as_mut() else {
                 continue;
             };
-            if task.is_restoring() || task.is_removing() || !task.has_uncommitted() {
+            if task.is_restoring() || task.is_removing() || !task.has_uncommitted() || !task.may_commit(now) {
                 continue;
             }
             if !task.is_persistent() || task.request_commit() {
@@ -721,13 +722,17 @@ impl Scheduler {
         }
     }
 
-    /// A commit's positions were written (or not).
-    pub(crate) fn commit_applied(&mut self, item: &CommitItem, ok: bool) {
-        if !ok {
-            return;
-        }
-        if let Some(task) = self.live_task_of(item) {
-            task.mark_committed(item.offset, item.retry_offset, item.retry_done.len());
+    /// A commit's positions were written (or not, then the task's next
+    /// commit backs off). Answers whether this success ends a run of failures.
+    pub(crate) fn commit_applied(&mut self, item: &CommitItem, ok: bool, now: Instant) -> bool {
+        let Some(task) = self.live_task_of(item) else {
+            return false;
+        };
+        if ok {
+            task.mark_committed(item.offset, item.retry_offset, item.retry_done.len())
+        } else {
+            task.commit_failed(now);
+            false
         }
     }
 

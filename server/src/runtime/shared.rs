@@ -53,6 +53,8 @@ pub(crate) struct Shared {
     pub(crate) wake: Condvar,
     state: AtomicU8,
     pub(crate) on_commit: Option<CommitCallback>,
+    /// Storage faults of the log and the stores (the log's own, when it keeps one).
+    pub(crate) health: Arc<crate::health::StorageHealth>,
     pub(crate) committer: Committer,
     /// Serializes shutdown and task removals with each other.
     pub(crate) membership: Mutex<()>,
@@ -81,7 +83,11 @@ impl Shared {
         scheduler: Scheduler,
         on_commit: Option<CommitCallback>,
     ) -> Shared {
+        let health = log
+            .storage_health()
+            .unwrap_or_else(crate::health::StorageHealth::new);
         Shared {
+            health,
             config,
             log,
             host_info,

@@ -128,6 +128,14 @@ pub struct OutcomeSubscription {
     lagged: bool,
     finished: bool,
     watermark_of: WatermarkProbe,
+    /// The pipeline, for the subscriber gauge and the lag counter.
+    pipeline: Arc<str>,
+}
+
+impl Drop for OutcomeSubscription {
+    fn drop(&mut self) {
+        metrics::gauge!(crate::metrics::SUBSCRIBERS, "pipeline" => self.pipeline.to_string()).decrement(1.0);
+    }
 }
 
 impl OutcomeSubscription {
@@ -136,7 +144,9 @@ impl OutcomeSubscription {
         history: Vec<Arc<OutcomeBatch>>,
         receiver: broadcast::Receiver<FeedEvent>,
         watermark_of: WatermarkProbe,
+        pipeline: Arc<str>,
     ) -> Self {
+        metrics::gauge!(crate::metrics::SUBSCRIBERS, "pipeline" => pipeline.to_string()).increment(1.0);
         let bounded = !ranges.is_empty() && ranges.iter().all(|r| r.end.is_some());
         let mut subscription = OutcomeSubscription {
             tracked: ranges
@@ -152,6 +162,7 @@ impl OutcomeSubscription {
             lagged: false,
             finished: false,
             watermark_of,
+            pipeline,
         };
         subscription.replay = history
             .into_iter()
@@ -208,6 +219,8 @@ impl OutcomeSubscription {
                     }
                 }
                 Err(broadcast::error::RecvError::Lagged(missed)) => {
+                    metrics::counter!(crate::metrics::SUBSCRIBER_LAGGED, "pipeline" => self.pipeline.to_string())
+                        .increment(missed);
                     self.lagged = true;
                     return Some(Ok(SubscriptionEvent::Lagged {
                         missed_batches: missed,

@@ -33,6 +33,11 @@ use std::time::{Duration, Instant};
 /// stops fetching only after this much, at one byte of sequencer per offset.
 const SPAN_FACTOR: usize = 8;
 
+/// The first wait after a failed commit; it doubles per failure up to the cap,
+/// so a failing disk is not hammered every `commit_interval_ms`.
+const COMMIT_BACKOFF_FIRST: Duration = Duration::from_millis(100);
+const COMMIT_BACKOFF_MAX: Duration = Duration::from_secs(10);
+
 /// The first wait after a failed fetch; it doubles per failure up to the cap.
 const FETCH_BACKOFF_FIRST: Duration = Duration::from_millis(10);
 const FETCH_BACKOFF_MAX: Duration = Duration::from_secs(5);
@@ -121,6 +126,10 @@ pub(crate) struct Task {
     fetch_failures: u32,
     fetch_after: Option<Instant>,
     committed: u64,
+    /// When the last commit succeeded (for the age of what queries read).
+    committed_at: Option<std::time::SystemTime>,
+    commit_failures: u32,
+    commit_after: Option<Instant>,
     commit_wait: Option<CommitWait>,
     /// The store's commits freeze by write tag, so they never wait for the
     /// task (persistent stores with key lanes: records of a key run in order).
@@ -171,6 +180,9 @@ impl Task {
             fetch_failures: 0,
             fetch_after: None,
             committed: init.committed,
+            committed_at: None,
+            commit_failures: 0,
+            commit_after: None,
             commit_wait: None,
             tagged_commits: persistent && lanes,
             history: History::new(init.outcome_retention_records, init.start),
@@ -220,7 +232,7 @@ impl Task {
         self.owner = owner;
     }
 
-    #[cfg(test)]
+    /// Threads inside the task at this instant.
     pub(crate) fn active(&self) -> usize {
         self.active
     }
@@ -260,6 +272,23 @@ impl Task {
     /// Fetched and not yet below the watermark.
     pub(crate) fn in_flight(&self) -> usize {
         self.seq.span()
+    }
+
+    /// Completed and waiting for earlier records (the sequencer's depth).
+    pub(crate) fn held_completed(&self) -> usize {
+        self.seq.span() - self.seq.pending()
+    }
+
+    /// Source records a restoring task has still to replay.
+    pub(crate) fn restore_remaining(&self) -> u64 {
+        self.restore
+            .as_ref()
+            .map_or(0, |r| r.until.saturating_sub(r.next))
+    }
+
+    /// When the last commit succeeded, if one did since the task started.
+    pub(crate) fn committed_at(&self) -> Option<std::time::SystemTime> {
+        self.committed_at
     }
 
     pub(crate) fn is_restoring(&self) -> bool {
@@ -620,10 +649,30 @@ impl Task {
         (watermark, retry_offset, done)
     }
 
-    /// A commit of these positions succeeded.
-    pub(crate) fn mark_committed(&mut self, offset: u64, retry_offset: u64, retry_done: usize) {
+    /// A commit of these positions succeeded; answers whether commits of
+    /// this task had been failing until now.
+    pub(crate) fn mark_committed(&mut self, offset: u64, retry_offset: u64, retry_done: usize) -> bool {
         self.committed = self.committed.max(offset);
+        self.committed_at = Some(std::time::SystemTime::now());
         self.retry.mark_committed(retry_offset, retry_done);
+        let was_failing = self.commit_failures > 0;
+        self.commit_failures = 0;
+        self.commit_after = None;
+        was_failing
+    }
+
+    /// A commit failed: the next waits with backoff.
+    pub(crate) fn commit_failed(&mut self, now: Instant) {
+        self.commit_failures = self.commit_failures.saturating_add(1);
+        let backoff = COMMIT_BACKOFF_FIRST
+            .saturating_mul(1 << (self.commit_failures - 1).min(16))
+            .min(COMMIT_BACKOFF_MAX);
+        self.commit_after = Some(now + backoff);
+    }
+
+    /// Whether a commit may be tried now (not while backing off a failure).
+    pub(crate) fn may_commit(&self, now: Instant) -> bool {
+        self.commit_after.is_none_or(|after| now >= after)
     }
 
     // ---- removal ----

@@ -67,7 +67,16 @@ pub fn task_metadata(task: &TaskMetadata) -> pb::TaskMetadata {
         records_processed: task.records_processed,
         records_failed: task.records_failed,
         records_dead_lettered: task.records_dead_lettered,
+        active_threads: task.active_threads,
+        held_records: task.held_records,
+        last_commit_ms: task.last_commit.map_or(0, epoch_ms),
     }
+}
+
+/// Milliseconds since the Unix epoch (0 for a time before it).
+fn epoch_ms(at: std::time::SystemTime) -> i64 {
+    at.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 fn streams_metadata(instance: &StreamsMetadata) -> pb::StreamsMetadata {
@@ -113,6 +122,7 @@ pub fn partition_result(result: PartitionQueryResult) -> pb::PartitionResult {
             .into_iter()
             .map(|(key, value)| pb::KeyValue { key, value })
             .collect(),
+        committed_at_ms: result.committed_at.map_or(0, epoch_ms),
     }
 }
 
@@ -250,6 +260,17 @@ pub fn runtime_description(description: &RuntimeDescription) -> pb::DescribeRunt
         pipelines: description.pipelines.iter().map(pipeline_metadata).collect(),
         tasks: description.tasks.iter().map(task_metadata).collect(),
         num_retry_threads: description.num_retry_threads,
+        storage_faults: description
+            .storage_faults
+            .iter()
+            .map(|fault| pb::StorageFault {
+                component: fault.component.as_str().to_string(),
+                name: fault.name.clone(),
+                since_ms: epoch_ms(fault.since),
+                error: fault.error.clone(),
+                errors: fault.errors,
+            })
+            .collect(),
     }
 }
 

@@ -80,10 +80,7 @@ pub async fn serve(
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, ServingStatus::Serving).await;
     // While storage fails, the services that need it say so; until shutdown.
-    let mut storage_follower = app
-        .log()
-        .storage_health()
-        .map(|storage| tokio::spawn(follow_storage(health.clone(), storage)));
+    let mut storage_follower = Some(tokio::spawn(follow_storage(health.clone(), app.storage_health())));
 
     // Both reflection versions: grpcurl 1.8.6 (PyPI) only speaks v1alpha. The
     // health and google.rpc descriptors let clients describe health and decode

@@ -564,7 +564,7 @@ impl Model {
                     }
                     Pick::Commit { items, .. } => {
                         for item in &items {
-                            self.s.commit_applied(item, true);
+                            self.s.commit_applied(item, true, self.now);
                         }
                         self.s.finish_commit_round(thread);
                     }

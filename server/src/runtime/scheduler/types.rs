@@ -107,6 +107,16 @@ pub(crate) struct UnitContext {
     pub(crate) settled_below: u64,
     /// Outcomes name their thread (they are released in batches that gather several threads').
     pub(crate) record_threads: bool,
+    /// The thread is the task's owner (else a helper, or lent to its retries).
+    pub(crate) owner: bool,
+}
+
+impl UnitContext {
+    /// Counts `busy` seconds of this thread's work in `role` (owner, helper, retry, restore).
+    pub(crate) fn count_busy(&self, role: &'static str, busy: std::time::Duration) {
+        metrics::counter!(crate::metrics::THREAD_BUSY, "thread" => self.thread.to_string(), "role" => role)
+            .increment(busy.as_micros() as u64);
+    }
 }
 
 /// One commit to carry out: positions of a task, and the store to freeze and
