@@ -13,12 +13,12 @@ use bytes::Bytes;
 use redb::{
     Database, Durability, ReadableDatabase, ReadableTable, TableDefinition, TableError, WriteTransaction,
 };
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt::Display;
 use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
@@ -143,6 +143,9 @@ struct Shared {
     log_id: RwLock<Option<String>>,
     listeners: RwLock<Vec<AppendListener>>,
     health: Arc<StorageHealth>,
+    /// `AppendMode::Behind` appends handed to the writer and not yet written (queued or in
+    /// its `behind` queue); at most `MAX_BEHIND`.
+    behind: AtomicUsize,
 }
 
 impl Shared {
@@ -217,9 +220,7 @@ enum Op {
     Append {
         topic: String,
         records: Vec<Encoded>,
-        /// Made durable before the reply (`append`), or left to a later
-        /// durable commit (`append_unflushed`).
-        durable: bool,
+        mode: AppendMode,
     },
     /// Makes everything written so far durable.
     Flush,
@@ -251,6 +252,40 @@ impl Op {
             _ => 64,
         }
     }
+}
+
+/// How an append reaches the file, and who learns of a failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AppendMode {
+    /// Durable before the reply (`append`).
+    Durable,
+    /// Written (not fsynced) before the reply; the caller waits and sees a failure.
+    Unflushed,
+    /// Written behind the caller, who does not wait (`append_unflushed`): a failure keeps the
+    /// records in the writer's `behind` queue, retried before anything else is written, and
+    /// `flush` fails until they are in the file.
+    Behind,
+}
+
+/// Appends the writer has taken from their callers but not yet written (`AppendMode::Behind`)
+/// are capped: past the cap `append_unflushed` waits for its write like `AppendMode::Unflushed`,
+/// so a log that cannot write holds back its callers instead of growing without bound.
+const MAX_BEHIND: usize = 256;
+
+/// An append made without an fsync: what to write again if a reopen of the file finds it gone.
+struct Appended {
+    topic: String,
+    records: Vec<Encoded>,
+    /// Where each record went; empty while the append waits in the `behind` queue.
+    positions: Vec<RecordPosition>,
+}
+
+/// What a group wrote: whether it was made durable, the positions of the `behind` appends it
+/// wrote first, and each request's result.
+struct Written {
+    durable: bool,
+    behind: Vec<Vec<RecordPosition>>,
+    results: Vec<Result<Reply, LogError>>,
 }
 
 enum Reply {
@@ -348,6 +383,7 @@ impl RedbLog {
             log_id: RwLock::new(None),
             listeners: RwLock::new(Vec::new()),
             health,
+            behind: AtomicUsize::new(0),
         };
         let (topics, committed, log_id) = catch_unwind(AssertUnwindSafe(|| load(&shared)))
             .unwrap_or_else(|_| Err(shared.storage("cannot load the log: the file is corrupt")))?;
@@ -361,6 +397,8 @@ impl RedbLog {
             requests: receiver,
             reopen,
             failing: false,
+            behind: VecDeque::new(),
+            since_durable: Vec::new(),
         };
         let writer = std::thread::Builder::new()
             .name("taskstream-log-writer".into())
@@ -434,7 +472,7 @@ impl RedbLog {
         &self,
         topic: &str,
         records: Vec<ProducerRecord>,
-        durable: bool,
+        mode: AppendMode,
     ) -> Result<Vec<RecordPosition>, LogError> {
         let mirror = self.shared.topic(topic)?;
         if records.is_empty() {
@@ -469,12 +507,16 @@ impl RedbLog {
             });
         }
         drop(records);
-        let Reply::Positions(positions) = self.submit(Op::Append {
+        let op = Op::Append {
             topic: topic.to_string(),
             records: encoded,
-            durable,
-        })?
-        else {
+            mode,
+        };
+        if mode == AppendMode::Behind {
+            // The writer notifies the partitions' listeners once the records are written.
+            return self.submit_behind(op).map(|()| Vec::new());
+        }
+        let Reply::Positions(positions) = self.submit(op)? else {
             return Err(LogError::Unavailable(
                 "unexpected reply from the log writer".into(),
             ));
@@ -486,6 +528,17 @@ impl RedbLog {
             self.shared.notify(topic, partition);
         }
         Ok(positions)
+    }
+
+    /// Hands `op` to the writer thread without waiting for it (`AppendMode::Behind`).
+    fn submit_behind(&self, op: Op) -> Result<(), LogError> {
+        // Nobody reads the reply: the writer keeps a failed write and retries it itself.
+        let (reply, _ignored) = mpsc::sync_channel(1);
+        self.requests
+            .as_ref()
+            .ok_or_else(|| LogError::Unavailable("the log writer thread has stopped".into()))?
+            .send(Request { op, reply })
+            .map_err(|_| LogError::Unavailable("the log writer thread has stopped".into()))
     }
 
     /// Hands `op` to the writer thread and waits until it is durable (or failed).
@@ -735,6 +788,11 @@ struct Writer {
     /// From a storage error until a write succeeds again. Meanwhile the thread also wakes on
     /// its own to probe the file, so the log recovers (and says so) even if nobody writes.
     failing: bool,
+    /// `AppendMode::Behind` appends whose write failed, oldest first: written before anything
+    /// else, so each partition keeps its order.
+    behind: VecDeque<Appended>,
+    /// Appends written without an fsync since the last durable commit, oldest first.
+    since_durable: Vec<Appended>,
 }
 
 impl Writer {
@@ -746,6 +804,10 @@ impl Writer {
                     Ok(request) => request,
                     Err(mpsc::RecvTimeoutError::Timeout) => {
                         probe_after = if self.probe() {
+                            if !self.behind.is_empty() {
+                                // Nobody may write for a while: the records behind are due now.
+                                self.apply_group(Vec::new());
+                            }
                             PROBE_MIN
                         } else {
                             (probe_after * 2).min(PROBE_MAX)
@@ -782,37 +844,145 @@ impl Writer {
         }
         let closed = self.shared.db.read().unwrap_or_else(|e| e.into_inner()).is_none();
         if closed && let Err(error) = self.reopen() {
-            for request in group {
-                let _ = request.reply.send(Err(error.clone()));
-            }
+            self.answer_failed(group, &error);
             return;
         }
+        let behind = std::mem::take(&mut self.behind);
         let mut pending = Pending::default();
         // A panic inside redb must not leave callers waiting forever: they get an error, and
         // the thread keeps serving (the reopen below repairs the leaked pages).
-        let outcome =
-            catch_unwind(AssertUnwindSafe(|| self.run_group(&group, &mut pending))).unwrap_or_else(|_| {
+        let outcome = catch_unwind(AssertUnwindSafe(|| self.run_group(&behind, &group, &mut pending)))
+            .unwrap_or_else(|_| {
                 Err(self
                     .shared
                     .storage("the log writer panicked; nothing was written"))
             });
         match outcome {
-            Ok(results) => {
+            Ok(written) => {
                 let wrote = pending.dirty;
                 self.publish(pending);
                 if self.failing && wrote {
                     self.recovered();
                 }
-                for (request, result) in group.into_iter().zip(results) {
-                    let _ = request.reply.send(result);
+                if written.durable {
+                    self.since_durable.clear();
+                }
+                for (mut appended, positions) in behind.into_iter().zip(written.behind) {
+                    self.shared.behind.fetch_sub(1, Ordering::AcqRel);
+                    self.notify_written(&appended.topic, &positions);
+                    if !written.durable {
+                        appended.positions = positions;
+                        self.since_durable.push(appended);
+                    }
+                }
+                for (request, result) in group.into_iter().zip(written.results) {
+                    self.answer(request, result, written.durable);
                 }
             }
             Err(error) => {
-                // Answered first: the callers may retry while the file is reopened.
-                for request in group {
-                    let _ = request.reply.send(Err(error.clone()));
-                }
+                self.behind = behind;
+                self.answer_failed(group, &error);
                 self.failed(&error);
+            }
+        }
+    }
+
+    /// Replies to a request the group wrote (or rejected). Unflushed appends are remembered
+    /// until a durable commit, in case a reopen finds them gone.
+    fn answer(&mut self, request: Request, result: Result<Reply, LogError>, durable: bool) {
+        let Request { op, reply } = request;
+        let Op::Append { topic, records, mode } = op else {
+            let _ = reply.send(result);
+            return;
+        };
+        if mode == AppendMode::Behind {
+            self.shared.behind.fetch_sub(1, Ordering::AcqRel);
+        }
+        match (&result, mode) {
+            (Ok(Reply::Positions(positions)), AppendMode::Unflushed | AppendMode::Behind) => {
+                if mode == AppendMode::Behind {
+                    self.notify_written(&topic, positions);
+                }
+                if !durable {
+                    self.since_durable.push(Appended {
+                        topic,
+                        records,
+                        positions: positions.clone(),
+                    });
+                }
+            }
+            // Routed and checked by its caller, so only a topic that vanished gets here.
+            (Err(error), AppendMode::Behind) => {
+                tracing::error!(log = %self.shared.path, topic, %error, "dropping records appended behind their caller");
+            }
+            _ => {}
+        }
+        let _ = reply.send(result);
+    }
+
+    /// Answers every request of a group that wrote nothing with `error`, except the appends
+    /// written behind their callers: those wait in `behind` for the next write.
+    fn answer_failed(&mut self, group: Vec<Request>, error: &LogError) {
+        for Request { op, reply } in group {
+            match op {
+                Op::Append {
+                    topic,
+                    records,
+                    mode: AppendMode::Behind,
+                } => self.behind.push_back(Appended {
+                    topic,
+                    records,
+                    positions: Vec::new(),
+                }),
+                _ => {
+                    let _ = reply.send(Err(error.clone()));
+                }
+            }
+        }
+    }
+
+    fn notify_written(&self, topic: &str, positions: &[RecordPosition]) {
+        let mut touched: Vec<u32> = positions.iter().map(|p| p.partition).collect();
+        touched.sort_unstable();
+        touched.dedup();
+        for partition in touched {
+            self.shared.notify(topic, partition);
+        }
+    }
+
+    /// After a reopen: the appends made without an fsync that the file no longer holds go to
+    /// the front of `behind`, so they are written again, at the same offsets, before anything
+    /// else. (Whether a non-durable commit survives closing the file after an I/O error is
+    /// redb's business; each record is checked against the partition's end as reloaded.)
+    fn requeue_lost_appends(&mut self) {
+        let mut lost = Vec::new();
+        for appended in std::mem::take(&mut self.since_durable) {
+            let Ok(mirror) = self.shared.topic(&appended.topic) else {
+                continue;
+            };
+            let mut missing = Vec::new();
+            for (record, position) in appended.records.into_iter().zip(&appended.positions) {
+                let end = mirror
+                    .partitions
+                    .get(position.partition as usize)
+                    .map_or(0, |p| p.end.load(Ordering::Acquire));
+                if position.offset >= end {
+                    missing.push(record);
+                }
+            }
+            if !missing.is_empty() {
+                lost.push(Appended {
+                    topic: appended.topic,
+                    records: missing,
+                    positions: Vec::new(),
+                });
+            }
+        }
+        if !lost.is_empty() {
+            tracing::warn!(log = %self.shared.path, appends = lost.len(), "rewriting unflushed appends the reopened file lost");
+            self.shared.behind.fetch_add(lost.len(), Ordering::AcqRel);
+            for appended in lost.into_iter().rev() {
+                self.behind.push_front(appended);
             }
         }
     }
@@ -902,6 +1072,7 @@ impl Writer {
         let (topics, committed, log_id) = catch_unwind(AssertUnwindSafe(|| load(&self.shared)))
             .unwrap_or_else(|_| Err(self.shared.storage("cannot load the log: the file is corrupt")))?;
         self.refresh(topics, committed, log_id);
+        self.requeue_lost_appends();
         tracing::info!(log = %self.shared.path, "log file reopened");
         Ok(())
     }
@@ -942,14 +1113,16 @@ impl Writer {
         }
     }
 
-    /// Applies every request in one transaction. A request rejected for a reason of its own
-    /// (unknown topic, mismatch) is rejected before it writes anything, so the others still
-    /// commit; a storage error fails the whole group, since none of it is then durable.
+    /// Applies the appends left `behind` by earlier groups, then every request, in one
+    /// transaction. A request rejected for a reason of its own (unknown topic, mismatch) is
+    /// rejected before it writes anything, so the others still commit; a storage error fails
+    /// the whole group, since none of it is then durable.
     fn run_group(
         &self,
+        behind: &VecDeque<Appended>,
         group: &[Request],
         pending: &mut Pending,
-    ) -> Result<Vec<Result<Reply, LogError>>, LogError> {
+    ) -> Result<Written, LogError> {
         let db = self.shared.db.read().unwrap_or_else(|e| e.into_inner());
         let db = db
             .as_ref()
@@ -958,20 +1131,34 @@ impl Writer {
         // Callers are told "durable" the moment commit returns, unless every request of the
         // group asked for an unflushed append: then the commit skips its fsync, and the next
         // durable commit (a flush, a committed offset, any durable append) persists it too.
-        let unflushed = group
-            .iter()
-            .all(|r| matches!(r.op, Op::Append { durable: false, .. }));
-        let durability = if unflushed {
-            Durability::None
-        } else {
+        let durable = group.iter().any(|r| {
+            !matches!(
+                r.op,
+                Op::Append {
+                    mode: AppendMode::Unflushed | AppendMode::Behind,
+                    ..
+                }
+            )
+        });
+        let durability = if durable {
             Durability::Immediate
+        } else {
+            Durability::None
         };
         txn.set_durability(durability).map_err(|e| self.shared.fault(e))?;
-        let mut results = Vec::with_capacity(group.len());
+        let mut written = Written {
+            durable,
+            behind: Vec::with_capacity(behind.len()),
+            results: Vec::with_capacity(group.len()),
+        };
+        for appended in behind {
+            let positions = self.append_records(&txn, &appended.topic, &appended.records, pending)?;
+            written.behind.push(positions);
+        }
         for request in group {
             match self.apply(&txn, &request.op, pending) {
                 Err(error @ (LogError::Storage { .. } | LogError::Unavailable(_))) => return Err(error),
-                result => results.push(result),
+                result => written.results.push(result),
             }
         }
         if pending.dirty {
@@ -979,7 +1166,57 @@ impl Writer {
         } else {
             txn.abort().map_err(|e| self.shared.fault(e))?;
         }
-        Ok(results)
+        Ok(written)
+    }
+
+    /// Writes `records` at the ends of their partitions in `txn`; answers their positions.
+    fn append_records(
+        &self,
+        txn: &WriteTransaction,
+        topic: &str,
+        records: &[Encoded],
+        pending: &mut Pending,
+    ) -> Result<Vec<RecordPosition>, LogError> {
+        let mirror = self.shared.topic(topic)?;
+        for record in records {
+            mirror.partition(topic, record.partition)?;
+        }
+        // Stable, so records of one partition keep their order in the batch.
+        let mut order: Vec<usize> = (0..records.len()).collect();
+        order.sort_by_key(|&i| records[i].partition);
+        let mut positions = vec![
+            RecordPosition {
+                partition: 0,
+                offset: 0
+            };
+            records.len()
+        ];
+        let mut metas = txn.open_table(PARTITIONS).map_err(|e| self.shared.fault(e))?;
+        for run in order.chunk_by(|&a, &b| records[a].partition == records[b].partition) {
+            let partition = records[run[0]].partition;
+            let mut meta = pending.meta(topic, &mirror, partition);
+            let name = &mirror.partitions[partition as usize].table;
+            let mut table = txn
+                .open_table(records_table(name))
+                .map_err(|e| self.shared.fault(e))?;
+            for &i in run {
+                table
+                    .insert(meta.end, records[i].data.as_slice())
+                    .map_err(|e| self.shared.fault(e))?;
+                positions[i] = RecordPosition {
+                    partition,
+                    offset: meta.end,
+                };
+                meta.end += 1;
+                meta.bytes += records[i].size;
+            }
+            metas
+                .insert((topic, partition), (meta.start, meta.end, meta.bytes))
+                .map_err(|e| self.shared.fault(e))?;
+            pending.partitions.insert((topic.to_string(), partition), meta);
+        }
+        pending.dirty = true;
+        Ok(positions)
     }
 
     fn apply(&self, txn: &WriteTransaction, op: &Op, pending: &mut Pending) -> Result<Reply, LogError> {
@@ -1013,48 +1250,9 @@ impl Writer {
                 pending.dirty = true;
                 Ok(Reply::Done)
             }
-            Op::Append { topic, records, .. } => {
-                let mirror = self.shared.topic(topic)?;
-                for record in records {
-                    mirror.partition(topic, record.partition)?;
-                }
-                // Stable, so records of one partition keep their order in the batch.
-                let mut order: Vec<usize> = (0..records.len()).collect();
-                order.sort_by_key(|&i| records[i].partition);
-                let mut positions = vec![
-                    RecordPosition {
-                        partition: 0,
-                        offset: 0
-                    };
-                    records.len()
-                ];
-                let mut metas = txn.open_table(PARTITIONS).map_err(|e| self.shared.fault(e))?;
-                for run in order.chunk_by(|&a, &b| records[a].partition == records[b].partition) {
-                    let partition = records[run[0]].partition;
-                    let mut meta = pending.meta(topic, &mirror, partition);
-                    let name = &mirror.partitions[partition as usize].table;
-                    let mut table = txn
-                        .open_table(records_table(name))
-                        .map_err(|e| self.shared.fault(e))?;
-                    for &i in run {
-                        table
-                            .insert(meta.end, records[i].data.as_slice())
-                            .map_err(|e| self.shared.fault(e))?;
-                        positions[i] = RecordPosition {
-                            partition,
-                            offset: meta.end,
-                        };
-                        meta.end += 1;
-                        meta.bytes += records[i].size;
-                    }
-                    metas
-                        .insert((topic.as_str(), partition), (meta.start, meta.end, meta.bytes))
-                        .map_err(|e| self.shared.fault(e))?;
-                    pending.partitions.insert((topic.clone(), partition), meta);
-                }
-                pending.dirty = true;
-                Ok(Reply::Positions(positions))
-            }
+            Op::Append { topic, records, .. } => self
+                .append_records(txn, topic, records, pending)
+                .map(Reply::Positions),
             Op::Commit {
                 group,
                 topic,
@@ -1218,11 +1416,25 @@ impl Log for RedbLog {
     }
 
     fn append(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<Vec<RecordPosition>, LogError> {
-        self.append_with(topic, records, true)
+        self.append_with(topic, records, AppendMode::Durable)
     }
 
+    /// Returns once the records are routed and handed to the writer thread, which writes them
+    /// behind the caller (at most `MAX_BEHIND` appends at a time; past that it waits for the
+    /// write). A write that fails is retried, in order, before anything else; `flush` fails
+    /// until it succeeds.
     fn append_unflushed(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<(), LogError> {
-        self.append_with(topic, records, false).map(drop)
+        let taken = self.shared.behind.fetch_add(1, Ordering::AcqRel) < MAX_BEHIND;
+        if !taken {
+            self.shared.behind.fetch_sub(1, Ordering::AcqRel);
+            return self.append_with(topic, records, AppendMode::Unflushed).map(drop);
+        }
+        let result = self.append_with(topic, records, AppendMode::Behind).map(drop);
+        if result.is_err() {
+            // Rejected before it reached the writer (an unknown topic or partition).
+            self.shared.behind.fetch_sub(1, Ordering::AcqRel);
+        }
+        result
     }
 
     fn flush(&self) -> Result<(), LogError> {
@@ -2086,6 +2298,74 @@ mod tests {
             (0..2).map(|p| read_all(&reopened, "t", p).len()).sum::<usize>(),
             acked.len()
         );
+    }
+
+    /// `append_unflushed` returns before the write; on a full disk its records wait in the
+    /// writer and `flush` fails until they are in the file, in order, each once, including
+    /// those a reopen of the file lost after they were written without an fsync.
+    #[test]
+    fn unflushed_appends_land_in_order_and_a_flush_fails_until_they_have() {
+        let dir = TempDir::new("behind");
+        let (log, full) = log_on_fullable_disk(&dir.0);
+        let health = log.storage_health().unwrap();
+        log.ensure_topic("t", 2).unwrap();
+        let record = |tag: &str, i: usize| ProducerRecord {
+            value: format!("{tag}-{i}-{}", "x".repeat(1000)).into(),
+            partition: Some((i % 2) as u32),
+            ..Default::default()
+        };
+        let mut expected = Vec::new();
+        let mut append = |tag: String, n: usize| {
+            let records: Vec<_> = (0..n).map(|i| record(&tag, i)).collect();
+            log.append_unflushed("t", records).unwrap();
+            expected.extend((0..n).map(|i| ((i % 2) as u32, format!("{tag}-{i}"))));
+        };
+        for round in 0..20 {
+            append(format!("before{round}"), 10);
+        }
+        full.store(true, Ordering::Release);
+        // Unflushed appends never fail while the writer has room for them behind: the disk
+        // fills up under them, and a flush says so.
+        for round in 0..200 {
+            append(format!("full{round}"), 10);
+        }
+        eventually("the failure on record", || {
+            health.is_failing(StorageComponent::Log)
+        });
+        assert!(
+            log.flush().is_err(),
+            "a flush with records still behind must fail"
+        );
+
+        full.store(false, Ordering::Release);
+        eventually("the records behind written and flushed", || log.flush().is_ok());
+        for round in 0..20 {
+            append(format!("after{round}"), 10);
+        }
+        log.flush().unwrap();
+        let check = |log: &RedbLog| {
+            for partition in 0..2 {
+                let stored: Vec<String> = read_all(log, "t", partition)
+                    .iter()
+                    .map(|r| {
+                        let value = String::from_utf8(r.value.to_vec()).unwrap();
+                        value.split('-').take(2).collect::<Vec<_>>().join("-")
+                    })
+                    .collect();
+                let wanted: Vec<String> = expected
+                    .iter()
+                    .filter(|(p, _)| *p == partition)
+                    .map(|(_, v)| v.clone())
+                    .collect();
+                assert_eq!(
+                    stored, wanted,
+                    "partition {partition}: every record once, in order"
+                );
+            }
+        };
+        check(&log);
+        drop(log);
+        check(&RedbLog::open(&dir.0).unwrap());
     }
 
     const CRASH_DIR_ENV: &str = "TASKSTREAM_REDBLOG_CRASH_DIR";
