@@ -1,7 +1,8 @@
 //! Python grpcio against a real server (in-process, port 0): stubs are generated
 //! from proto/ at test time with grpc_tools.protoc, then tests/python/grpcio_client.py
 //! produces, reads metadata, runs a bounded stream, checks the status codes and
-//! decodes rich error details with grpcio-status.
+//! decodes rich error details with grpcio-status; a 1 MB store name, malformed protobuf
+//! (raw bytes) and a 5 MiB request get their documented codes, with short messages.
 //! Python and its packages come from the tests' own venv (`common::tools`),
 //! provisioned on first use; if that fails the test fails, never skips.
 
@@ -58,7 +59,7 @@ fn python_grpcio_client_end_to_end() {
     // Shown with --nocapture: what the Python client checked.
     println!("{}", output.stdout);
     assert!(
-        output.stdout.contains("7/7 checks passed"),
+        output.stdout.contains("10/10 checks passed"),
         "the Python client did not run every check:\n{}",
         output.describe()
     );

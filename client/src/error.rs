@@ -9,6 +9,11 @@ use std::{error::Error as StdError, time::Duration};
 use tonic::{Code, Status};
 use tonic_types::StatusExt;
 
+/// ErrorInfo reason of a stream ended because its subscriber was too slow.
+pub const REASON_SUBSCRIBER_LAGGED: &str = "SUBSCRIBER_LAGGED";
+/// ErrorInfo reason of a request over one of the server's limits.
+pub const REASON_LIMIT_EXCEEDED: &str = "LIMIT_EXCEEDED";
+
 /// One violated precondition (google.rpc.PreconditionFailure.Violation).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PreconditionViolation {
@@ -43,8 +48,9 @@ pub struct FieldViolation {
 /// | `IllegalState` | FAILED_PRECONDITION | 4 |
 /// | `NotAvailable` | UNAVAILABLE (from the server) | 5 |
 /// | `OutOfRange` | OUT_OF_RANGE | 6 |
-/// | `Lagged` | RESOURCE_EXHAUSTED, or the in-band `Lagged` notice | 7 |
+/// | `Lagged` | RESOURCE_EXHAUSTED with ErrorInfo reason `SUBSCRIBER_LAGGED`, or the in-band `Lagged` notice | 7 |
 /// | `Transport` | connect failures; UNKNOWN, CANCELLED; UNAVAILABLE raised by the transport | 8 |
+/// | `LimitExceeded` | any other RESOURCE_EXHAUSTED (reason `LIMIT_EXCEEDED`: a size or count over a limit) | 9 |
 /// | `Other` | anything else (INTERNAL, …) | 1 |
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ClientError {
@@ -86,6 +92,16 @@ pub enum ClientError {
     /// RESOURCE_EXHAUSTED without saying how many.
     #[error("subscriber lagged behind: {missed_batches} batches missed")]
     Lagged { missed_batches: u64 },
+
+    /// The request went over a limit of the server (message size, records per Produce,
+    /// key bytes, stream threads, subscribers, …): retrying it as it is fails again.
+    /// `setting` and `limit` name the server setting that raises it, when the server said.
+    #[error("{message}")]
+    LimitExceeded {
+        message: String,
+        setting: Option<String>,
+        limit: Option<u64>,
+    },
 
     /// The server could not be reached, or the connection broke mid-call.
     /// The message starts with "transport error" or "cannot connect".
@@ -151,8 +167,16 @@ impl ClientError {
                 retry_after: status.get_details_retry_info().and_then(|info| info.retry_delay),
             },
             Code::OutOfRange => ClientError::OutOfRange { message },
-            Code::ResourceExhausted => ClientError::Lagged {
-                missed_batches: missed_batches(status),
+            // Two meanings, told apart by the ErrorInfo reason.
+            Code::ResourceExhausted => match status.get_details_error_info() {
+                Some(info) if info.reason == REASON_SUBSCRIBER_LAGGED => ClientError::Lagged {
+                    missed_batches: missed_batches(status),
+                },
+                info => ClientError::LimitExceeded {
+                    message,
+                    setting: info.as_ref().and_then(|i| i.metadata.get("setting").cloned()),
+                    limit: info.and_then(|i| i.metadata.get("limit").and_then(|n| n.parse().ok())),
+                },
             },
             // What a dropped connection or a reset stream looks like to the client.
             Code::Unknown | Code::Cancelled => ClientError::Transport {
@@ -172,6 +196,7 @@ impl ClientError {
             ClientError::OutOfRange { .. } => 6,
             ClientError::Lagged { .. } => 7,
             ClientError::Transport { .. } => 8,
+            ClientError::LimitExceeded { .. } => 9,
             ClientError::Other { .. } => 1,
         }
     }
@@ -457,18 +482,38 @@ mod tests {
     }
 
     #[test]
-    fn resource_exhausted_is_lagged() {
-        let error = ClientError::from_status(&Status::resource_exhausted("subscriber too slow"));
-        assert_eq!(error, ClientError::Lagged { missed_batches: 0 });
-        assert_eq!(error.exit_code(), 7);
-
+    fn resource_exhausted_is_lagged_or_a_limit_by_its_reason() {
         let metadata = HashMap::from([("missed_batches".to_owned(), "12".to_owned())]);
         let mut details = ErrorDetails::new();
-        details.set_error_info("SLOW_SUBSCRIBER", "taskstream", metadata);
+        details.set_error_info(REASON_SUBSCRIBER_LAGGED, "taskstream", metadata);
         let status = Status::with_error_details(Code::ResourceExhausted, "too slow", details);
+        let error = ClientError::from_status(&status);
+        assert_eq!(error, ClientError::Lagged { missed_batches: 12 });
+        assert_eq!(error.exit_code(), 7);
+
+        let metadata = HashMap::from([
+            ("setting".to_owned(), "max_message_bytes".to_owned()),
+            ("limit".to_owned(), "4194304".to_owned()),
+        ]);
+        let mut details = ErrorDetails::new();
+        details.set_error_info(REASON_LIMIT_EXCEEDED, "taskstream", metadata);
+        let status = Status::with_error_details(Code::ResourceExhausted, "too big", details);
+        let error = ClientError::from_status(&status);
         assert_eq!(
-            ClientError::from_status(&status),
-            ClientError::Lagged { missed_batches: 12 }
+            error,
+            ClientError::LimitExceeded {
+                message: "too big".into(),
+                setting: Some("max_message_bytes".into()),
+                limit: Some(4_194_304),
+            }
+        );
+        assert_eq!(error.exit_code(), 9);
+
+        // Without a reason (e.g. the client's own receive limit): a limit, not a lag.
+        let error = ClientError::from_status(&Status::resource_exhausted("message too large"));
+        assert!(
+            matches!(error, ClientError::LimitExceeded { setting: None, .. }),
+            "{error:?}"
         );
     }
 

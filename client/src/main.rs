@@ -3,7 +3,8 @@
 //! `taskstream [--addr URL] [--json] <command>`; run `taskstream help` for the
 //! commands. Exit codes: 0 success, 1 other failure (and `get` of a missing
 //! key), 2 illegal argument or usage, 3 unknown store or topic, 4 illegal state,
-//! 5 not available, 6 out of range, 7 lagged, 8 transport, 130 Ctrl-C.
+//! 5 not available, 6 out of range, 7 lagged, 8 transport, 9 over a server limit,
+//! 130 Ctrl-C.
 
 mod cli;
 
@@ -43,7 +44,7 @@ struct Cli {
 }
 
 const EXIT_CODES: &str = "Exit codes: 0 ok, 1 other error (or `get`: key not found), 2 illegal argument, \
-3 unknown store or topic, 4 illegal state, 5 not available, 6 out of range, 7 lagged, 8 transport, 130 interrupted.";
+3 unknown store or topic, 4 illegal state, 5 not available, 6 out of range, 7 lagged, 8 transport, 9 over a server limit, 130 interrupted.";
 
 #[derive(Debug, Subcommand)]
 enum Command {

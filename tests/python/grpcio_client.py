@@ -187,6 +187,72 @@ def main():
         assert [v.field for v in violations] == ["store"], status
         return f"BadRequest: {violations[0].field}: {violations[0].description}"
 
+    def huge_store_name():
+        # Stock grpcio refuses response metadata over 16 KiB ("Stream removed"): the server
+        # must name the field without echoing a megabyte of it back.
+        from grpc_status import rpc_status
+
+        name = "x" * (1 << 20)
+        try:
+            streams.ProcessMetadataForStore(pb.ProcessMetadataForStoreRequest(store=name), timeout=TIMEOUT_S)
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details()[:300])
+            assert len(error.details().encode()) <= 1024, len(error.details())
+            assert "\u2026" in error.details(), error.details()
+            status = rpc_status.from_call(error)
+            assert status is not None and len(status.SerializeToString()) <= 4096, status
+            return f"{error.code()}: {len(error.details())} characters: {error.details()[:60]}..."
+        raise AssertionError("a 1 MB store name was accepted")
+
+    def raw_call(method, payload):
+        # Bytes as they are on the wire: no stub can send malformed protobuf.
+        call = channel.unary_unary(f"/taskstream.v1.StreamsService/{method}")
+        try:
+            call(payload, timeout=TIMEOUT_S)
+        except grpc.RpcError as error:
+            return error
+        raise AssertionError(f"{method} accepted {payload[:20]!r}")
+
+    def malformed_protobuf():
+        from google.rpc import error_details_pb2
+        from grpc_status import rpc_status
+
+        # ProduceRequest{topic: "e", records: [{key: <a varint where bytes belong>}]}
+        error = raw_call("Produce", b"\x0a\x01e\x12\x02\x08\x01")
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
+        for rust_name in ("ProduceRequest", "ProducerRecord", "Protobuf"):
+            assert rust_name not in error.details(), error.details()
+        fields = []
+        for detail in rpc_status.from_call(error).details:
+            bad_request = error_details_pb2.BadRequest()
+            if detail.Unpack(bad_request):
+                fields.extend(v.field for v in bad_request.field_violations)
+        assert fields == ["records.key"], fields
+        # A store name that is not UTF-8.
+        error = raw_call("ProcessMetadataForStore", b"\x0a\x02\xff\xfe")
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
+        assert error.details() == "invalid store: is not valid UTF-8", error.details()
+        return f"{error.code()}: {error.details()}"
+
+    def message_over_the_limit():
+        from google.rpc import error_details_pb2
+        from grpc_status import rpc_status
+
+        # 5 MiB of one record value: over the 4 MiB default of max_message_bytes.
+        request = pb.ProduceRequest(topic="events", records=[pb.ProducerRecord(value=b"v" * (5 << 20))])
+        try:
+            streams.Produce(request, timeout=TIMEOUT_S)
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (error.code(), error.details())
+            reasons = []
+            for detail in rpc_status.from_call(error).details:
+                info = error_details_pb2.ErrorInfo()
+                if detail.Unpack(info):
+                    reasons.append((info.reason, info.metadata["setting"]))
+            assert reasons == [("LIMIT_EXCEEDED", "max_message_bytes")], reasons
+            return f"{error.code()}: {error.details()}"
+        raise AssertionError("a 5 MiB request was accepted")
+
     check("produce", produce)
     check("ProcessMetadataForStore(counts, in_order)", metadata)
     check("bounded GetMetadataAsync(counts, in_order)", bounded_stream)
@@ -194,6 +260,9 @@ def main():
     check("unknown store -> NOT_FOUND", not_found)
     check("empty store name -> INVALID_ARGUMENT", invalid_argument)
     check("BadRequest details decoded with grpcio-status", rich_error_details)
+    check("1 MB store name -> INVALID_ARGUMENT, echo cut", huge_store_name)
+    check("malformed protobuf -> INVALID_ARGUMENT naming the field", malformed_protobuf)
+    check("5 MiB request -> RESOURCE_EXHAUSTED, LIMIT_EXCEEDED", message_over_the_limit)
     channel.close()
 
     failed = [name for name, ok in results if not ok]

@@ -518,6 +518,9 @@ pub struct Config {
     pub group_protocol: GroupProtocol,
     #[serde(deserialize_with = "deserialize_kafka_settings")]
     pub kafka: BTreeMap<String, String>,
+    /// Largest gRPC message the server reads or writes, in bytes: a bigger request is
+    /// refused (RESOURCE_EXHAUSTED), a bigger response fails instead of being sent.
+    pub max_message_bytes: usize,
 }
 
 /// librdkafka settings that taskstream sets itself: a `[kafka]` table may not
@@ -618,9 +621,13 @@ impl Default for Config {
             replication_factor: -1,
             group_protocol: GroupProtocol::Consumer,
             kafka: BTreeMap::new(),
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
         }
     }
 }
+
+/// gRPC's usual bound on a message (grpc-go's and tonic's default receive size).
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 << 20;
 
 /// One scalar setting of [`Config`], as the environment and flags see it. Its
 /// TOML key is `name`; its environment variable, `TASKSTREAM_<NAME>`, is
@@ -843,6 +850,13 @@ pub const SETTINGS: &[Setting] = &[
         parse_choice,
         "consumer | classic: Kafka's consumer group protocol (consumer = KIP-848; classic runs \
          cooperative-sticky)."
+    ),
+    setting!(
+        max_message_bytes,
+        Some("max-message-bytes"),
+        "BYTES",
+        parse_number,
+        "Largest gRPC message read or written; a bigger request is refused with RESOURCE_EXHAUSTED."
     ),
 ];
 
@@ -1089,6 +1103,15 @@ impl Config {
             if value == 0 {
                 return Err(ConfigError::new(setting, "must be at least 1"));
             }
+        }
+        if self.max_message_bytes < 1024 {
+            return Err(ConfigError::new(
+                "max_message_bytes",
+                format!(
+                    "is {} but must be at least 1024 (the default is {DEFAULT_MAX_MESSAGE_BYTES})",
+                    self.max_message_bytes
+                ),
+            ));
         }
         if self.retry_max_attempts == 0 {
             return Err(ConfigError::new(

@@ -3,7 +3,32 @@
 
 use crate::config::{ConfigError, ProcessingOrder};
 use crate::log::LogError;
+use std::borrow::Cow;
 use std::time::Duration;
+
+/// Most bytes of client input an error message or detail repeats back: a 1 MB name must
+/// not come back as 1 MB of `grpc-message` (stock grpcio clients refuse metadata over 16 KiB).
+pub const MAX_ECHO_BYTES: usize = 256;
+
+/// What an error may repeat of client input: `text` itself when it fits in
+/// [`MAX_ECHO_BYTES`], else its first bytes (cut at a character boundary) and `…`,
+/// at most `MAX_ECHO_BYTES` in all.
+pub fn echo(text: &str) -> Cow<'_, str> {
+    echo_up_to(text, MAX_ECHO_BYTES)
+}
+
+/// [`echo`] with another bound, for sentences that already hold echoes.
+pub fn echo_up_to(text: &str, max_bytes: usize) -> Cow<'_, str> {
+    if text.len() <= max_bytes {
+        return Cow::Borrowed(text);
+    }
+    const ELLIPSIS: &str = "…";
+    let mut end = max_bytes.saturating_sub(ELLIPSIS.len());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    Cow::Owned(format!("{}{ELLIPSIS}", &text[..end]))
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RuntimeError {
@@ -77,12 +102,29 @@ pub enum RuntimeError {
     /// Anything unexpected; the message is for logs, not for clients.
     #[error("internal error: {0}")]
     Internal(String),
+
+    /// A request goes over a bound the server keeps on what a client controls (a size or
+    /// a count); `setting` raises it. Answered RESOURCE_EXHAUSTED, reason LIMIT_EXCEEDED.
+    #[error("{message} (limit {limit}, setting `{setting}`)")]
+    LimitExceeded {
+        setting: String,
+        limit: u64,
+        message: String,
+    },
 }
 
 impl RuntimeError {
     pub fn invalid_argument(field: impl Into<String>, message: impl Into<String>) -> Self {
         RuntimeError::InvalidArgument {
             field: field.into(),
+            message: message.into(),
+        }
+    }
+
+    pub fn limit_exceeded(setting: impl Into<String>, limit: u64, message: impl Into<String>) -> Self {
+        RuntimeError::LimitExceeded {
+            setting: setting.into(),
+            limit,
             message: message.into(),
         }
     }
@@ -119,5 +161,24 @@ impl From<LogError> for RuntimeError {
             },
             LogError::Storage { path, message } => RuntimeError::Storage { path, message },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn echo_keeps_short_text_and_cuts_long_text_at_a_char_boundary() {
+        assert_eq!(echo("counts"), "counts");
+        let exact = "x".repeat(MAX_ECHO_BYTES);
+        assert_eq!(echo(&exact), exact.as_str());
+        let cut = echo(&"y".repeat(1 << 20)).into_owned();
+        assert!(cut.len() <= MAX_ECHO_BYTES, "{}", cut.len());
+        assert!(cut.ends_with('…') && cut.starts_with("yyy"), "{cut}");
+        // Multi-byte characters are never split.
+        let cut = echo(&"é".repeat(500)).into_owned();
+        assert!(cut.len() <= MAX_ECHO_BYTES && cut.ends_with('…'));
+        assert!(cut.trim_end_matches('…').chars().all(|c| c == 'é'));
     }
 }

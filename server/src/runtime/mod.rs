@@ -38,6 +38,6 @@ mod work;
 
 pub use app::StreamsApp;
 pub use builder::AppBuilder;
-pub use error::RuntimeError;
+pub use error::{MAX_ECHO_BYTES, RuntimeError, echo, echo_up_to};
 pub use shared::CommitReport;
 pub use subscription::{EndAt, OutcomeSubscription, StartAt, SubscribeRequest, SubscriptionEvent};

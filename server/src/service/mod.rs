@@ -11,15 +11,18 @@ mod request;
 mod status;
 mod streams;
 mod telemetry;
+mod wire;
 
 pub use admin::AdminHandler;
 pub use outcomes::STREAM_CHANNEL_CAPACITY;
 pub use status::{
-    ERROR_DOMAIN, PRECONDITION_PROCESSING_ORDER, REASON_OFFSET_OUT_OF_RANGE, REASON_OFFSET_PAST_END,
-    REASON_SUBSCRIBER_LAGGED, ServiceError, to_status,
+    ERROR_DOMAIN, MESSAGE_SIZE_SETTING, PRECONDITION_PROCESSING_ORDER, REASON_LIMIT_EXCEEDED,
+    REASON_OFFSET_OUT_OF_RANGE, REASON_OFFSET_PAST_END, REASON_SUBSCRIBER_LAGGED, ServiceError,
+    from_transport, to_status,
 };
 pub use streams::StreamsHandler;
 pub use telemetry::{RpcTelemetry, RpcTelemetryLayer, code_name};
+pub use wire::{WireStatus, WireStatusLayer};
 
 use crate::health::StorageHealth;
 use crate::runtime::{RuntimeError, StreamsApp};
@@ -98,15 +101,28 @@ pub async fn serve(
         tracing::info!(%address, "serving gRPC");
     }
 
+    // Both directions: a request over it is refused, a response over it fails rather
+    // than hold the whole of it in memory at once.
+    let max_message = app.config().max_message_bytes;
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let mut server = pin!(
         Server::builder()
+            // Telemetry outside, so it counts the codes clients see.
             .layer(RpcTelemetryLayer)
+            .layer(WireStatusLayer)
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
-            .add_service(StreamsServiceServer::new(StreamsHandler::new(app.clone())))
-            .add_service(AdminServiceServer::new(AdminHandler::new(app.clone())))
+            .add_service(
+                StreamsServiceServer::new(StreamsHandler::new(app.clone()))
+                    .max_decoding_message_size(max_message)
+                    .max_encoding_message_size(max_message),
+            )
+            .add_service(
+                AdminServiceServer::new(AdminHandler::new(app.clone()))
+                    .max_decoding_message_size(max_message)
+                    .max_encoding_message_size(max_message),
+            )
             // TCP_NODELAY: a small unary answer must not wait for the client's
             // delayed ACK (Nagle), which costs ~40 ms per call.
             .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), async {

@@ -4,8 +4,8 @@
 //! naming the request field, so it reaches the client as a BadRequest violation.
 
 use crate::log::ProducerRecord;
-use crate::runtime::RuntimeError;
 use crate::runtime::{EndAt, StartAt, SubscribeRequest};
+use crate::runtime::{MAX_ECHO_BYTES, RuntimeError, echo};
 use std::collections::{BTreeMap, HashMap};
 use taskstream::v1 as pb;
 
@@ -42,7 +42,8 @@ fn check_name_up_to(field: &str, name: &str, max_len: usize) -> Result<(), Runti
             field,
             format!(
                 "`{}` is not a valid name: use letters, digits, `.`, `_` and `-` (at most {max_len})",
-                name.escape_debug()
+                // Escaped first, so that the cut is measured on what is shown.
+                echo(&name.escape_debug().take(MAX_ECHO_BYTES + 1).collect::<String>())
             ),
         ));
     }

@@ -1,9 +1,13 @@
 //! The one place where errors become `tonic::Status`: every `RuntimeError`, the
 //! service's own request validation (as `RuntimeError::InvalidArgument`) and a
 //! subscriber dropped for being slow, each with the google.rpc details a client
-//! can act on (BadRequest, PreconditionFailure, ResourceInfo, RetryInfo, ErrorInfo).
+//! can act on (BadRequest, PreconditionFailure, ResourceInfo, RetryInfo, ErrorInfo);
+//! and the statuses tonic makes itself while reading a request (malformed protobuf,
+//! a message over the size limit), restated in the API's terms ([`from_transport`]).
+//! Whatever an answer repeats of client input is cut to `MAX_ECHO_BYTES`.
 
-use crate::runtime::RuntimeError;
+use crate::config::ConfigError;
+use crate::runtime::{RuntimeError, echo, echo_up_to};
 use std::collections::HashMap;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
@@ -14,10 +18,22 @@ pub const ERROR_DOMAIN: &str = "taskstream";
 /// `PreconditionViolation.type` when `in_order` is refused.
 pub const PRECONDITION_PROCESSING_ORDER: &str = "PROCESSING_ORDER";
 
-/// `ErrorInfo.reason` of a stream ended because its subscriber fell behind.
 /// ErrorInfo reason: the partition asked for is held by another instance.
 pub const REASON_NOT_HOSTED: &str = "PARTITION_NOT_HOSTED";
+
+/// `ErrorInfo.reason` of a stream ended because its subscriber fell behind
+/// (RESOURCE_EXHAUSTED with `slow_subscriber = "fail"`).
 pub const REASON_SUBSCRIBER_LAGGED: &str = "SUBSCRIBER_LAGGED";
+
+/// `ErrorInfo.reason` of a request over a limit (RESOURCE_EXHAUSTED); the metadata
+/// names the `setting` and its `limit`. Tells a limit apart from a slow subscriber.
+pub const REASON_LIMIT_EXCEEDED: &str = "LIMIT_EXCEEDED";
+
+/// The setting that bounds a request or response message.
+pub const MESSAGE_SIZE_SETTING: &str = "max_message_bytes";
+
+/// Longest server-written sentence in an answer (it may hold echoes, each cut already).
+const MAX_SENTENCE_BYTES: usize = 1024;
 
 /// `ErrorInfo.reason` of a stream that asked for offsets no longer retained.
 pub const REASON_OFFSET_OUT_OF_RANGE: &str = "OFFSET_OUT_OF_RANGE";
@@ -48,7 +64,7 @@ pub enum ServiceError {
 /// Maps an error to the status a client sees. Messages are meant for people;
 /// the details are meant for programs (the Rust client maps them back).
 pub fn to_status(error: impl Into<ServiceError>) -> Status {
-    let error = error.into();
+    let error = bounded(error.into());
     let message = error.to_string();
     match &error {
         ServiceError::Runtime(RuntimeError::InvalidConfig(config)) => Status::with_error_details(
@@ -163,6 +179,20 @@ pub fn to_status(error: impl Into<ServiceError>) -> Status {
             tracing::error!(file = %path, error = %detail, "storage error answered as INTERNAL");
             Status::internal("storage error; the server log has the details")
         }
+        ServiceError::Runtime(RuntimeError::LimitExceeded { setting, limit, .. }) => {
+            Status::with_error_details(
+                Code::ResourceExhausted,
+                message,
+                ErrorDetails::with_error_info(
+                    REASON_LIMIT_EXCEEDED,
+                    ERROR_DOMAIN,
+                    HashMap::from([
+                        ("setting".to_string(), setting.clone()),
+                        ("limit".to_string(), limit.to_string()),
+                    ]),
+                ),
+            )
+        }
         ServiceError::SubscriberLagged {
             missed_batches,
             buffer_batches,
@@ -179,6 +209,158 @@ pub fn to_status(error: impl Into<ServiceError>) -> Status {
             ),
         ),
     }
+}
+
+/// `error` with every string that may repeat client input cut to `MAX_ECHO_BYTES` (and the
+/// server's sentences, which hold such echoes, to `MAX_SENTENCE_BYTES`), so that the message
+/// and the details built from it stay small whatever the request held.
+fn bounded(error: ServiceError) -> ServiceError {
+    let name = |text: String| echo(&text).into_owned();
+    let sentence = |text: String| echo_up_to(&text, MAX_SENTENCE_BYTES).into_owned();
+    let ServiceError::Runtime(error) = error else {
+        return error;
+    };
+    ServiceError::Runtime(match error {
+        RuntimeError::InvalidConfig(ConfigError { setting, message }) => {
+            RuntimeError::InvalidConfig(ConfigError::new(name(setting), sentence(message)))
+        }
+        RuntimeError::InvalidArgument { field, message } => RuntimeError::InvalidArgument {
+            field: name(field),
+            message: sentence(message),
+        },
+        RuntimeError::OrderNotGuaranteed {
+            store,
+            processing_order,
+            threads_per_task,
+        } => RuntimeError::OrderNotGuaranteed {
+            store: name(store),
+            processing_order,
+            threads_per_task,
+        },
+        RuntimeError::UnknownStore(store) => RuntimeError::UnknownStore(name(store)),
+        RuntimeError::UnknownTopic(topic) => RuntimeError::UnknownTopic(name(topic)),
+        RuntimeError::NotHosted { store, partition } => RuntimeError::NotHosted {
+            store: name(store),
+            partition,
+        },
+        RuntimeError::Unavailable { reason, retry_after } => RuntimeError::Unavailable {
+            reason: sentence(reason),
+            retry_after,
+        },
+        RuntimeError::LimitExceeded {
+            setting,
+            limit,
+            message,
+        } => RuntimeError::LimitExceeded {
+            setting,
+            limit,
+            message: sentence(message),
+        },
+        // Internal errors go to the log only; the rest carry no client text.
+        other => other,
+    })
+}
+
+/// What tonic answers by itself when a request cannot be read, before any handler runs
+/// (malformed protobuf, an empty unary call, a bad message frame as INTERNAL; a message
+/// over the size limit as OUT_OF_RANGE, which this API keeps for offsets), restated in the
+/// API's terms: INVALID_ARGUMENT naming the field by its path in the request, or
+/// RESOURCE_EXHAUSTED naming the limit. `None` for every other status, which stands.
+pub fn from_transport(status: &Status) -> Option<Status> {
+    let text = status.message();
+    match status.code() {
+        Code::Internal => {
+            if let Some(decode) = text.strip_prefix("failed to decode Protobuf message: ") {
+                let (field, problem) = decode_error(decode);
+                return Some(to_status(RuntimeError::invalid_argument(field, problem)));
+            }
+            let problem = match text {
+                "Missing request message." => "the call carried no request message; send exactly one",
+                "Unexpected EOF decoding stream." => "the request ended inside a message",
+                _ if text.starts_with("protocol error: received message with") => {
+                    "a message frame has a compressed flag the call does not allow \
+                     (0, or 1 with a grpc-encoding the server supports)"
+                }
+                _ => return None,
+            };
+            Some(to_status(RuntimeError::invalid_argument("request", problem)))
+        }
+        Code::OutOfRange => {
+            let (direction, sizes) =
+                if let Some(sizes) = text.strip_prefix("Error, decoded message length too large: ") {
+                    ("request", sizes)
+                } else if let Some(sizes) = text.strip_prefix("Error, encoded message length too large: ") {
+                    ("response", sizes)
+                } else {
+                    return None;
+                };
+            // "found {len} bytes, the limit is: {limit} bytes"
+            let numbers: Vec<u64> = sizes
+                .split(|c: char| !c.is_ascii_digit())
+                .filter_map(|n| n.parse().ok())
+                .collect();
+            let (found, limit) = match numbers.as_slice() {
+                [found, limit] => (*found, *limit),
+                _ => (0, 0),
+            };
+            let message = match direction {
+                "request" => format!("the request message is {found} bytes, more than the server accepts"),
+                _ => format!(
+                    "the response would be {found} bytes, more than the server sends in one message; \
+                     ask for less at once"
+                ),
+            };
+            Some(to_status(RuntimeError::limit_exceeded(
+                MESSAGE_SIZE_SETTING,
+                limit,
+                message,
+            )))
+        }
+        _ => None,
+    }
+}
+
+/// prost's "Msg.field: Outer.field: problem" (innermost first) as the field's path in the
+/// request ("records.key") and the problem in protobuf's words, without Rust type names.
+fn decode_error(text: &str) -> (String, String) {
+    let is_ident = |s: &str| {
+        s.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
+            && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    };
+    let mut fields = Vec::new();
+    let mut rest = text;
+    while let Some((segment, tail)) = rest.split_once(": ") {
+        match segment.split_once('.') {
+            Some((message, field)) if is_ident(message) && is_ident(field.trim_start_matches("r#")) => {
+                fields.push(field.trim_start_matches("r#"));
+                rest = tail;
+            }
+            _ => break,
+        }
+    }
+    fields.reverse();
+    let field = match fields.is_empty() {
+        true => "request".to_string(),
+        false => fields.join("."),
+    };
+    let problem = if rest.starts_with("invalid string value") {
+        "is not valid UTF-8".to_string()
+    } else if let Some(wire) = rest.strip_prefix("invalid wire type: ") {
+        format!("has the wrong protobuf wire type ({})", echo(wire))
+    } else if rest == "buffer underflow" {
+        "is cut short: the message ends inside it".to_string()
+    } else if rest == "invalid varint" {
+        "holds an invalid varint".to_string()
+    } else if rest == "delimited length exceeded" {
+        "runs past the end of its enclosing message".to_string()
+    } else if rest.starts_with("invalid tag value") || rest.starts_with("invalid key value") {
+        "holds an invalid field tag".to_string()
+    } else if rest.starts_with("recursion limit") {
+        "is nested too deep".to_string()
+    } else {
+        format!("is not valid protobuf ({})", echo(rest))
+    };
+    (field, problem)
 }
 
 #[cfg(test)]
@@ -304,6 +486,108 @@ mod tests {
         assert!(!status.message().contains("sequencer"), "{status:?}");
         assert!(!status.message().contains("/srv"), "{status:?}");
         assert!(status.details().is_empty());
+    }
+
+    #[test]
+    fn a_limit_is_resource_exhausted_naming_the_setting() {
+        let status = to_status(RuntimeError::limit_exceeded(
+            "max_records_per_produce",
+            10,
+            "the request holds 11 records",
+        ));
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        assert!(status.message().contains("max_records_per_produce"), "{status:?}");
+        let info = status.get_details_error_info().expect("ErrorInfo detail");
+        assert_eq!(info.reason, REASON_LIMIT_EXCEEDED);
+        assert_eq!(info.metadata["setting"], "max_records_per_produce");
+        assert_eq!(info.metadata["limit"], "10");
+    }
+
+    #[test]
+    fn echoed_input_is_cut_in_the_message_and_the_details() {
+        let huge = "s".repeat(1 << 20);
+        for status in [
+            to_status(RuntimeError::UnknownStore(huge.clone())),
+            to_status(RuntimeError::invalid_argument(huge.clone(), huge.clone())),
+            to_status(RuntimeError::OrderNotGuaranteed {
+                store: huge.clone(),
+                processing_order: ProcessingOrder::Key,
+                threads_per_task: 2,
+            }),
+        ] {
+            assert!(
+                status.message().len() <= 2 * MAX_SENTENCE_BYTES,
+                "{}",
+                status.message().len()
+            );
+            assert!(status.message().contains('…'), "{}", status.message());
+            assert!(
+                status.details().len() <= 4 * MAX_SENTENCE_BYTES,
+                "{}",
+                status.details().len()
+            );
+        }
+    }
+
+    #[test]
+    fn malformed_protobuf_is_invalid_argument_with_the_field_path() {
+        use prost::Message as _;
+        use taskstream::v1 as pb;
+        // records[0].key (field 1 of ProducerRecord) sent as a varint instead of bytes.
+        let record = [0x08, 0x01];
+        let mut wire = vec![0x0a, 0x01, b'e', 0x12, record.len() as u8];
+        wire.extend_from_slice(&record);
+        let error = pb::ProduceRequest::decode(wire.as_slice()).unwrap_err();
+        let tonic_status = Status::internal(error.to_string());
+        let status = from_transport(&tonic_status).expect("a decode error is restated");
+        assert_eq!(status.code(), Code::InvalidArgument);
+        let bad = status.get_details_bad_request().expect("BadRequest detail");
+        assert_eq!(bad.field_violations[0].field, "records.key", "{status:?}");
+        for rust_name in ["ProduceRequest", "ProducerRecord", "Protobuf message"] {
+            assert!(!status.message().contains(rust_name), "{}", status.message());
+        }
+
+        // A store name that is not UTF-8.
+        let error = pb::ProcessMetadataForStoreRequest::decode(&[0x0a, 0x02, 0xff, 0xfe][..]).unwrap_err();
+        let status = from_transport(&Status::internal(error.to_string())).unwrap();
+        assert_eq!(status.code(), Code::InvalidArgument);
+        assert_eq!(status.message(), "invalid store: is not valid UTF-8");
+
+        // Cut short: a length prefix past the end.
+        let error = pb::ProcessMetadataForStoreRequest::decode(&[0x0a, 0x7f, b'x'][..]).unwrap_err();
+        let status = from_transport(&Status::internal(error.to_string())).unwrap();
+        assert_eq!(status.code(), Code::InvalidArgument);
+
+        let status = from_transport(&Status::internal("Missing request message.")).unwrap();
+        assert_eq!(status.code(), Code::InvalidArgument);
+    }
+
+    #[test]
+    fn a_message_over_the_limit_is_resource_exhausted_not_out_of_range() {
+        let tonic_status = Status::out_of_range(
+            "Error, decoded message length too large: found 5242880 bytes, the limit is: 4194304 bytes",
+        );
+        let status = from_transport(&tonic_status).expect("restated");
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        let info = status.get_details_error_info().expect("ErrorInfo detail");
+        assert_eq!(info.reason, REASON_LIMIT_EXCEEDED);
+        assert_eq!(info.metadata["setting"], MESSAGE_SIZE_SETTING);
+        assert_eq!(info.metadata["limit"], "4194304");
+        assert!(status.message().contains("5242880"), "{}", status.message());
+    }
+
+    #[test]
+    fn the_services_own_statuses_stand() {
+        for error in [
+            RuntimeError::OffsetOutOfRange {
+                partition: 1,
+                requested: 2,
+                earliest: 3,
+            },
+            RuntimeError::Internal("x".into()),
+        ] {
+            assert!(from_transport(&to_status(error)).is_none());
+        }
     }
 
     #[test]
