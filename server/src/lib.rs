@@ -8,7 +8,8 @@
 //! - `health`: which storage components are failing, since when (feeds gRPC health).
 //! - `log`: the source/sink abstraction (`Log`), the embedded logs (`MemoryLog`,
 //!   `RedbLog` on disk), Kafka's partitioner.
-//! - `processor`: the `Processor` trait and the built-ins.
+//! - `processor`: the `Processor` trait, the built-ins, and remote processors
+//!   (a user's `ProcessorService` over gRPC).
 //! - `store`: the `KeyValueStore` trait and backends.
 //! - `metadata`: StreamsMetadata, record outcomes, query and topic-read answers.
 //! - `metrics`: Prometheus metrics (recorded by the runtime, served by the binary).
@@ -36,15 +37,16 @@ pub mod service;
 pub mod store;
 
 pub use config::{
-    CommitMode, Config, ConfigError, GroupProtocol, PipelineConfig, ProcessingOrder, ProcessorSpec,
-    RetryPolicy, StoreKind, TopicConfig,
+    CommitMode, Config, ConfigError, GroupProtocol, GrpcProcessorSpec, PipelineConfig, ProcessingOrder,
+    ProcessorSpec, RetryPolicy, StoreKind, TopicConfig,
 };
 pub use log::{Log, LogError, MemoryLog, ProducerRecord, Record, RecordPosition, RedbLog, Retention};
 pub use metadata::{
     AppState, HostInfo, KeyMetadata, Outcome, OutcomeBatch, PartitionQueryResult, RecordOutcome,
     RuntimeDescription, StoreMetadata, StreamsMetadata, TaskMetadata, ThreadMetadata, ThreadState, TopicRead,
 };
-pub use processor::{ProcessError, Processor, ProcessorContext};
+pub use processor::remote::{ProcessorStatus, RemoteRuntime};
+pub use processor::{Outputs, ProcessError, Processor, ProcessorContext};
 pub use runtime::retry::headers as failure_headers;
 pub use runtime::{
     AppBuilder, CommitReport, EndAt, OutcomeSubscription, RuntimeError, StartAt, StreamsApp,

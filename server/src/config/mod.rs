@@ -292,6 +292,38 @@ pub enum ProcessorSpec {
     },
     /// A processor registered in code with `AppBuilder::processor(name, …)`.
     Custom { name: String },
+    /// A user's `taskstream.v1.ProcessorService`, called over gRPC.
+    Grpc(GrpcProcessorSpec),
+}
+
+/// `processor = { type = "grpc", endpoint = "http://127.0.0.1:7000", … }`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrpcProcessorSpec {
+    /// `http://host:port` of the service.
+    pub endpoint: String,
+    /// Send the store's value of each distinct key with every call.
+    pub include_state: bool,
+    /// Records per call (the calls of a unit of work are cut to this size).
+    pub max_records_per_call: usize,
+    /// Largest response accepted; a larger one fails the call's records
+    /// with kind `ResponseTooLarge`.
+    pub max_response_bytes: usize,
+}
+
+impl GrpcProcessorSpec {
+    pub const DEFAULT_MAX_RECORDS_PER_CALL: usize = 100;
+    /// tonic's own default limit on a decoded message.
+    pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
+
+    /// A spec with the defaults: no state, 100 records per call, 4 MiB responses.
+    pub fn new(endpoint: impl Into<String>) -> GrpcProcessorSpec {
+        GrpcProcessorSpec {
+            endpoint: endpoint.into(),
+            include_state: false,
+            max_records_per_call: Self::DEFAULT_MAX_RECORDS_PER_CALL,
+            max_response_bytes: Self::DEFAULT_MAX_RESPONSE_BYTES,
+        }
+    }
 }
 
 impl ProcessorSpec {
@@ -322,6 +354,7 @@ impl ProcessorSpec {
             ProcessorSpec::Latest => "latest",
             ProcessorSpec::Simulate { .. } => "simulate",
             ProcessorSpec::Custom { name } => name,
+            ProcessorSpec::Grpc(_) => "grpc",
         }
     }
 }
@@ -339,7 +372,7 @@ where
         fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
             f.write_str(
                 "a processor name (count, sum, latest, simulate, or one registered in code) \
-                 or a table with `type` and its parameters",
+                 or a table with `type` (count, sum, latest, simulate, custom, grpc) and its parameters",
             )
         }
         fn visit_str<E: serde::de::Error>(self, name: &str) -> Result<ProcessorSpec, E> {
@@ -365,22 +398,29 @@ struct ProcessorTable {
     failure_rate: Option<f64>,
     fail_attempts: Option<u32>,
     seed: Option<u64>,
+    endpoint: Option<String>,
+    include_state: Option<bool>,
+    max_records_per_call: Option<usize>,
+    max_response_bytes: Option<usize>,
 }
 
 impl ProcessorTable {
     fn into_spec(self) -> Result<ProcessorSpec, String> {
-        let simulate_params = [
+        let params = [
             ("latency_ms", self.latency_ms.is_some()),
             ("cpu_work_us", self.cpu_work_us.is_some()),
             ("failure_rate", self.failure_rate.is_some()),
             ("fail_attempts", self.fail_attempts.is_some()),
             ("seed", self.seed.is_some()),
+            ("name", self.name.is_some()),
+            ("endpoint", self.endpoint.is_some()),
+            ("include_state", self.include_state.is_some()),
+            ("max_records_per_call", self.max_records_per_call.is_some()),
+            ("max_response_bytes", self.max_response_bytes.is_some()),
         ];
         let stray = |allowed: &[&str]| {
-            let name = ("name", self.name.is_some());
-            simulate_params
+            params
                 .iter()
-                .chain(std::iter::once(&name))
                 .find(|(param, given)| *given && !allowed.contains(param))
                 .map(|(param, _)| format!("`{param}` does not apply to type = \"{}\"; remove it", self.kind))
         };
@@ -406,12 +446,37 @@ impl ProcessorTable {
                 (None, Some(name)) => Ok(ProcessorSpec::Custom { name }),
                 (None, None) => Err("type = \"custom\" needs `name`, the name it was registered with".into()),
             },
+            "grpc" => match (
+                stray(&[
+                    "endpoint",
+                    "include_state",
+                    "max_records_per_call",
+                    "max_response_bytes",
+                ]),
+                self.endpoint,
+            ) {
+                (Some(message), _) => Err(message),
+                (None, Some(endpoint)) => Ok(ProcessorSpec::Grpc(GrpcProcessorSpec {
+                    endpoint,
+                    include_state: self.include_state.unwrap_or(false),
+                    max_records_per_call: self
+                        .max_records_per_call
+                        .unwrap_or(GrpcProcessorSpec::DEFAULT_MAX_RECORDS_PER_CALL),
+                    max_response_bytes: self
+                        .max_response_bytes
+                        .unwrap_or(GrpcProcessorSpec::DEFAULT_MAX_RESPONSE_BYTES),
+                })),
+                (None, None) => Err(
+                    "type = \"grpc\" needs `endpoint`, the processor service's URL (e.g. \"http://127.0.0.1:7000\")"
+                        .into(),
+                ),
+            },
             "count" | "sum" | "latest" => match stray(&[]) {
                 Some(message) => Err(message),
                 None => Ok(ProcessorSpec::named(&self.kind)),
             },
             other => Err(format!(
-                "type `{other}` is not one of the accepted values: count, sum, latest, simulate, custom"
+                "type `{other}` is not one of the accepted values: count, sum, latest, simulate, custom, grpc"
             )),
         }
     }
@@ -1180,6 +1245,28 @@ impl Config {
                 check_threads_per_task(&format!("pipelines[{i}].num_threads_per_task"), t)?;
             }
             check_processor(&format!("pipelines[{i}].processor"), &pipeline.processor)?;
+            if let ProcessorSpec::Grpc(grpc) = &pipeline.processor
+                && grpc.include_state
+            {
+                let effective = self.effective_order(pipeline);
+                if effective.order == ProcessingOrder::Unordered {
+                    let order_setting = if pipeline.processing_order.is_some() {
+                        format!("pipelines[{i}].processing_order")
+                    } else {
+                        "processing_order".to_string()
+                    };
+                    return Err(ConfigError::new(
+                        format!("pipelines[{i}].processor.include_state"),
+                        format!(
+                            "include_state = true cannot be used with {order_setting} = \"unordered\" and {} \
+                             threads per task: two calls could read the same key's state at once and the later \
+                             write would lose the earlier one. Use processing_order = \"key\" or \"offset\", \
+                             or set include_state = false",
+                            effective.threads_per_task
+                        ),
+                    ));
+                }
+            }
             if pipeline.store == Some(StoreKind::Persistent) && self.data_dir.is_none() {
                 return Err(ConfigError::new(
                     format!("pipelines[{i}].store"),
@@ -1444,6 +1531,53 @@ fn check_processor(setting: &str, spec: &ProcessorSpec) -> Result<(), ConfigErro
         && name.is_empty()
     {
         return Err(ConfigError::new(setting, "must name a processor"));
+    }
+    if let ProcessorSpec::Grpc(grpc) = spec {
+        check_endpoint(&format!("{setting}.endpoint"), &grpc.endpoint)?;
+        if !(1..=10_000).contains(&grpc.max_records_per_call) {
+            return Err(ConfigError::new(
+                format!("{setting}.max_records_per_call"),
+                "must be between 1 and 10000",
+            ));
+        }
+        if !(1024..=1024 * 1024 * 1024).contains(&grpc.max_response_bytes) {
+            return Err(ConfigError::new(
+                format!("{setting}.max_response_bytes"),
+                "must be between 1024 and 1073741824 (1 GiB)",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A processor service's URL: `http://host:port` (TLS to processors is not built in).
+fn check_endpoint(setting: &str, endpoint: &str) -> Result<(), ConfigError> {
+    let uri: tonic::transport::Uri = endpoint.parse().map_err(|e| {
+        ConfigError::new(
+            setting,
+            format!("`{endpoint}` is not a URL ({e}); write it as http://host:port"),
+        )
+    })?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => {
+            return Err(ConfigError::new(
+                setting,
+                format!("`{endpoint}`: TLS to processor services is not supported; use an http:// endpoint"),
+            ));
+        }
+        _ => {
+            return Err(ConfigError::new(
+                setting,
+                format!("`{endpoint}` must start with http://, e.g. http://127.0.0.1:7000"),
+            ));
+        }
+    }
+    if uri.port_u16().is_none() || uri.host().is_none_or(str::is_empty) {
+        return Err(ConfigError::new(
+            setting,
+            format!("`{endpoint}` needs a host and a port, e.g. http://127.0.0.1:7000"),
+        ));
     }
     Ok(())
 }
@@ -1755,6 +1889,92 @@ mod tests {
             ProcessorSpec::Custom { name: "mine".into() }
         );
         assert_eq!(config.pipelines[2].processor, ProcessorSpec::Latest);
+    }
+
+    #[test]
+    fn grpc_processors_parse_and_validate() {
+        let text = |table: &str, order: &str| {
+            format!(
+                "num_stream_threads = 4\nnum_threads_per_task = 4\nprocessing_order = \"{order}\"\n\
+                 [[pipelines]]\nname = \"p\"\nsource_topic = \"t\"\nprocessor = {table}\n"
+            )
+        };
+        let config = Config::from_toml_str(&text(
+            "{ type = \"grpc\", endpoint = \"http://127.0.0.1:7000\", include_state = true, max_records_per_call = 50 }",
+            "key",
+        ))
+        .unwrap();
+        config.validate().unwrap();
+        assert_eq!(
+            config.pipelines[0].processor,
+            ProcessorSpec::Grpc(GrpcProcessorSpec {
+                endpoint: "http://127.0.0.1:7000".into(),
+                include_state: true,
+                max_records_per_call: 50,
+                max_response_bytes: GrpcProcessorSpec::DEFAULT_MAX_RESPONSE_BYTES,
+            })
+        );
+
+        // include_state with unordered and T > 1: both settings named.
+        let config = Config::from_toml_str(&text(
+            "{ type = \"grpc\", endpoint = \"http://127.0.0.1:7000\", include_state = true }",
+            "unordered",
+        ))
+        .unwrap();
+        let err = config.validate().unwrap_err();
+        assert_eq!(err.setting, "pipelines[0].processor.include_state");
+        assert!(err.message.contains("processing_order"), "{err}");
+        // Without state, or with one thread per task, unordered is fine.
+        let mut fine = config.clone();
+        fine.num_threads_per_task = 1;
+        fine.validate().unwrap();
+        let config = Config::from_toml_str(&text(
+            "{ type = \"grpc\", endpoint = \"http://127.0.0.1:7000\" }",
+            "unordered",
+        ))
+        .unwrap();
+        config.validate().unwrap();
+
+        for (table, setting) in [
+            (
+                "{ type = \"grpc\", endpoint = \"127.0.0.1:7000\" }",
+                "pipelines[0].processor.endpoint",
+            ),
+            (
+                "{ type = \"grpc\", endpoint = \"https://h:1\" }",
+                "pipelines[0].processor.endpoint",
+            ),
+            (
+                "{ type = \"grpc\", endpoint = \"http://h\" }",
+                "pipelines[0].processor.endpoint",
+            ),
+            (
+                "{ type = \"grpc\", endpoint = \"http://h:1\", max_records_per_call = 0 }",
+                "pipelines[0].processor.max_records_per_call",
+            ),
+            (
+                "{ type = \"grpc\", endpoint = \"http://h:1\", max_response_bytes = 10 }",
+                "pipelines[0].processor.max_response_bytes",
+            ),
+        ] {
+            let config = Config::from_toml_str(&text(table, "offset")).unwrap();
+            assert_eq!(config.validate().unwrap_err().setting, setting, "{table}");
+        }
+        for (table, needle) in [
+            ("{ type = \"grpc\" }", "needs `endpoint`"),
+            (
+                "{ type = \"grpc\", endpoint = \"http://h:1\", seed = 1 }",
+                "`seed` does not apply",
+            ),
+            (
+                "{ type = \"count\", endpoint = \"http://h:1\" }",
+                "`endpoint` does not apply",
+            ),
+        ] {
+            let err = Config::from_toml_str(&text(table, "offset")).unwrap_err();
+            assert_eq!(err.setting, "pipelines[0].processor", "{table}: {err}");
+            assert!(err.message.contains(needle), "{table}: {err}");
+        }
     }
 
     #[test]

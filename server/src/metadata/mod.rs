@@ -157,6 +157,8 @@ pub struct PipelineMetadata {
     pub retry_backlog: u64,
     /// Records in the dead-letter topic.
     pub dead_lettered: u64,
+    /// A remote processor's reachability (`None` for an in-process one).
+    pub remote_processor: Option<crate::processor::remote::ProcessorStatus>,
 }
 
 /// The state of an instance, as Kafka Streams names them.

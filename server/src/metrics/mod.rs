@@ -30,6 +30,8 @@ pub const COMMIT_DURATION: &str = "taskstream_commit_duration_seconds";
 pub const RESTORE_REMAINING: &str = "taskstream_restore_remaining_records";
 pub const SUBSCRIBERS: &str = "taskstream_stream_subscribers";
 pub const SUBSCRIBER_LAGGED: &str = "taskstream_subscriber_lagged_batches_total";
+pub const PROCESSOR_UNREACHABLE: &str = "taskstream_processor_unreachable_total";
+pub const PROCESSOR_WAITING: &str = "taskstream_processor_waiting";
 
 /// Buckets of `PROCESS_SECONDS`: from a no-op record (about a microsecond) to a slow call.
 const PROCESS_BUCKETS: &[f64] = &[
@@ -47,6 +49,14 @@ const RPC_DURATION_BUCKETS: &[f64] = &[
 ];
 
 fn describe() {
+    metrics::describe_counter!(
+        PROCESSOR_UNREACHABLE,
+        "Calls to a pipeline's remote processor that could not reach it (nothing failed; the pipeline waited)"
+    );
+    metrics::describe_gauge!(
+        PROCESSOR_WAITING,
+        "1 while a pipeline waits for its remote processor to be reachable again, else 0"
+    );
     metrics::describe_counter!(
         RECORDS,
         "Record outcomes by pipeline and outcome (processed, retrying, dead_lettered, failed)"

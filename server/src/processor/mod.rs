@@ -1,12 +1,15 @@
 //! User logic: the `Processor` trait (synchronous, may block) and the built-ins
-//! `count`, `sum`, `latest` and `simulate`. A processor is shared by every
-//! thread of its pipeline, so it is `Sync`; per-key state lives in the store.
+//! `count`, `sum`, `latest` and `simulate`; `remote` calls a user's
+//! `ProcessorService` over gRPC. A processor is shared by every thread of its
+//! pipeline, so it is `Sync`; per-key state lives in the store.
+
+pub mod remote;
 
 use crate::config::{LatencySpec, ProcessorSpec};
-use crate::log::Record;
+use crate::log::{ProducerRecord, Record};
 use crate::store::{KeyValueStore, StoreError};
 use bytes::Bytes;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// What a processor sees besides the record.
@@ -22,6 +25,8 @@ pub struct ProcessorContext<'a> {
     /// When `processing_timeout_ms` runs out for this call. A processor past
     /// it has failed whatever it returns, so it may as well stop.
     pub deadline: Option<Instant>,
+    /// The attempt's output records (see `emit`); `None` outside an attempt.
+    pub(crate) outputs: Option<&'a Outputs>,
 }
 
 impl ProcessorContext<'_> {
@@ -29,14 +34,46 @@ impl ProcessorContext<'_> {
     pub fn is_expired(&self) -> bool {
         self.deadline.is_some_and(|d| Instant::now() >= d)
     }
+
+    /// Emits an output record for the pipeline's `sink_topic`. Like the store's
+    /// writes, outputs are kept with the attempt and appended only if it
+    /// succeeds (in the pipeline's order); without a sink topic they are dropped.
+    pub fn emit(&self, record: ProducerRecord) {
+        if let Some(outputs) = self.outputs {
+            outputs.push(record);
+        }
+    }
 }
 
-/// A failed record: a short error type and a human message.
+/// The output records of one attempt, in the order emitted.
+#[derive(Debug, Default)]
+pub struct Outputs {
+    // A mutex only because the context is shared by reference: one thread uses it.
+    records: Mutex<Vec<ProducerRecord>>,
+}
+
+impl Outputs {
+    fn push(&self, record: ProducerRecord) {
+        self.records
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(record);
+    }
+
+    /// The records emitted so far, leaving none.
+    pub(crate) fn take(&self) -> Vec<ProducerRecord> {
+        std::mem::take(&mut *self.records.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// A failed record: a short error type, a human message, and whether another
+/// attempt may succeed (a permanent failure goes straight to the dead-letter topic).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{kind}: {message}")]
 pub struct ProcessError {
     pub kind: String,
     pub message: String,
+    pub retryable: bool,
 }
 
 /// A store call that failed fails the record, with kind `StoreError`.
@@ -51,7 +88,15 @@ impl ProcessError {
         ProcessError {
             kind: kind.into(),
             message: message.into(),
+            retryable: true,
         }
+    }
+
+    /// The same failure, not worth retrying: the record is dead-lettered at once.
+    #[must_use]
+    pub fn permanent(mut self) -> Self {
+        self.retryable = false;
+        self
     }
 }
 
@@ -89,7 +134,7 @@ pub fn builtin(spec: &ProcessorSpec) -> Option<Arc<dyn Processor>> {
             fail_attempts: *fail_attempts,
             seed: *seed,
         }),
-        ProcessorSpec::Custom { .. } => return None,
+        ProcessorSpec::Custom { .. } | ProcessorSpec::Grpc(_) => return None,
     })
 }
 
@@ -280,6 +325,7 @@ mod tests {
             attempt: 1,
             store,
             deadline: None,
+            outputs: None,
         }
     }
 
@@ -323,6 +369,7 @@ mod tests {
                 attempt,
                 store: &store,
                 deadline: None,
+                outputs: None,
             };
             let result = sim.process(&record("k", "v", offset), &ctx);
             assert_eq!(result.is_ok(), attempt == 3, "attempt {attempt}");

@@ -81,6 +81,16 @@ impl StreamsApp {
         self.shared().health.clone()
     }
 
+    /// For each pipeline with a remote processor: its name and whether it
+    /// waits for the processor (unreachable), as it changes.
+    pub fn processor_waiting(&self) -> Vec<(String, tokio::sync::watch::Receiver<bool>)> {
+        self.shared()
+            .pipelines
+            .iter()
+            .filter_map(|p| Some((p.name.to_string(), p.processor.remote()?.subscribe_waiting())))
+            .collect()
+    }
+
     /// Appends records to a topic of the log.
     pub fn produce(
         &self,

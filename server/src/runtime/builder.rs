@@ -8,11 +8,13 @@ use super::app::{AppInner, StreamsApp};
 use super::commit::Committer;
 use super::membership::Membership;
 use super::scheduler::{PipelineNames, Scheduler};
-use super::shared::{CommitCallback, CommitReport, PipelineRuntime, Shared};
+use super::shared::{CommitCallback, CommitReport, PipelineProcessor, PipelineRuntime, Shared};
 use super::{RuntimeError, driver, recovery};
+use crate::config::ProcessorSpec;
 use crate::config::{Config, ConfigError};
 use crate::log::{KafkaLog, Log, LogError, MemoryLog};
 use crate::metadata::{AppState, HostInfo};
+use crate::processor::remote::{RemoteProcessor, RemoteRuntime};
 use crate::processor::{self, Processor};
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -205,7 +207,30 @@ fn layout_pipelines(
     registered: &HashMap<String, Arc<dyn Processor>>,
 ) -> Result<Vec<PipelineRuntime>, RuntimeError> {
     let mut pipelines = Vec::new();
+    // One runtime and one channel per endpoint for every remote processor.
+    let mut remote_runtime: Option<Arc<RemoteRuntime>> = None;
     for (index, pipeline) in config.pipelines.iter().enumerate() {
+        if let ProcessorSpec::Grpc(spec) = &pipeline.processor {
+            let runtime = match &remote_runtime {
+                Some(runtime) => runtime.clone(),
+                None => {
+                    let runtime = RemoteRuntime::new().map_err(|e| {
+                        RuntimeError::Internal(format!("could not start the remote processors' runtime: {e}"))
+                    })?;
+                    remote_runtime = Some(runtime.clone());
+                    runtime
+                }
+            };
+            let remote = RemoteProcessor::new(spec.clone(), &pipeline.name, &pipeline.source_topic, runtime)
+                .map_err(|m| ConfigError::new(format!("pipelines[{index}].processor.endpoint"), m))?;
+            pipelines.push(layout_pipeline(
+                config,
+                log,
+                pipeline,
+                PipelineProcessor::Remote(Arc::new(remote)),
+            )?);
+            continue;
+        }
         // A processor registered in code wins over a built-in of the same name.
         let registered = registered.get(pipeline.processor.name()).cloned();
         let Some(processor) = registered.or_else(|| processor::builtin(&pipeline.processor)) else {
@@ -219,28 +244,43 @@ fn layout_pipelines(
             )
             .into());
         };
-        let partitions = log.partitions(&pipeline.source_topic)?;
-        let retry_topic = config.retry_topic(&pipeline.name);
-        let dead_letter_topic = config.dead_letter_topic(&pipeline.name);
-        for internal in [&retry_topic, &dead_letter_topic] {
-            log.ensure_topic(internal, partitions)?;
-        }
-        let effective = config.effective_order(pipeline);
-        pipelines.push(PipelineRuntime {
-            name: pipeline.name.as_str().into(),
-            topic: pipeline.source_topic.as_str().into(),
-            partitions,
-            order: effective.order,
-            threads_per_task: effective.threads_per_task,
-            processor,
-            processor_name: pipeline.processor.name().to_string(),
-            store_kind: config.store_kind(pipeline),
-            retry_policy: config.retry_policy(pipeline),
-            retry_topic: retry_topic.into(),
-            dead_letter_topic: dead_letter_topic.into(),
-        });
+        pipelines.push(layout_pipeline(
+            config,
+            log,
+            pipeline,
+            PipelineProcessor::Local(processor),
+        )?);
     }
     Ok(pipelines)
+}
+
+/// One pipeline as it will run, its retry and dead-letter topics created.
+fn layout_pipeline(
+    config: &Config,
+    log: &dyn Log,
+    pipeline: &crate::config::PipelineConfig,
+    processor: PipelineProcessor,
+) -> Result<PipelineRuntime, RuntimeError> {
+    let partitions = log.partitions(&pipeline.source_topic)?;
+    let retry_topic = config.retry_topic(&pipeline.name);
+    let dead_letter_topic = config.dead_letter_topic(&pipeline.name);
+    for internal in [&retry_topic, &dead_letter_topic] {
+        log.ensure_topic(internal, partitions)?;
+    }
+    let effective = config.effective_order(pipeline);
+    Ok(PipelineRuntime {
+        name: pipeline.name.as_str().into(),
+        topic: pipeline.source_topic.as_str().into(),
+        partitions,
+        order: effective.order,
+        threads_per_task: effective.threads_per_task,
+        processor,
+        processor_name: pipeline.processor.name().to_string(),
+        store_kind: config.store_kind(pipeline),
+        retry_policy: config.retry_policy(pipeline),
+        retry_topic: retry_topic.into(),
+        dead_letter_topic: dead_letter_topic.into(),
+    })
 }
 
 /// Appends to a pipeline's source or retry partition wake the threads.

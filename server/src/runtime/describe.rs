@@ -136,6 +136,7 @@ fn pipeline_metadata(
         dead_lettered: (0..p.partitions)
             .map(|partition| super::commit::dead_lettered(shared, &p.dead_letter_topic, partition))
             .sum(),
+        remote_processor: p.processor.remote().map(|remote| remote.status()),
     }
 }
 

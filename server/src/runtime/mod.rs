@@ -6,7 +6,8 @@
 //!   state, no I/O, tested alone. `task` and `work` are its per-task parts
 //!   (units, key lanes, the key gate), `sequencer` its watermark.
 //! - `driver`: the stream-thread loop carrying out each pick; `process` runs
-//!   the processor (one `attempt` with its own write buffer per record).
+//!   the processor (one `attempt` with its own write buffer per record);
+//!   `remote_calls` cuts a unit into calls of a remote processor.
 //! - `commit`, `recovery`: commit rounds and final commits; where a task resumes.
 //! - `retry`, `retry_queue`: the retry topic's format, and each task's queue of it.
 //! - `subscription`: outcome feeds and subscribers.
@@ -26,6 +27,7 @@ mod error;
 mod membership;
 mod process;
 mod recovery;
+mod remote_calls;
 pub mod retry;
 mod retry_queue;
 mod scheduler;
@@ -40,4 +42,9 @@ pub use app::StreamsApp;
 pub use builder::AppBuilder;
 pub use error::{MAX_ECHO_BYTES, RuntimeError, echo, echo_up_to};
 pub use shared::CommitReport;
+
+/// Milliseconds since the Unix epoch (0 if the clock is before it).
+pub(crate) fn now_ms() -> i64 {
+    process::now_ms()
+}
 pub use subscription::{EndAt, OutcomeSubscription, StartAt, SubscribeRequest, SubscriptionEvent};

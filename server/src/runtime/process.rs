@@ -4,14 +4,17 @@
 //! items, and a step of a memory store's replay at start.
 
 use super::attempt::AttemptStore;
+use super::remote_calls::{self, Prefetched};
 use super::retry::{self, Failure, RetryItem};
 use super::scheduler::{RetriesDone, UnitContext, UnitDone};
+use super::shared::PipelineProcessor;
 use super::shared::Shared;
 use super::work::{Gating, WorkUnit};
 use crate::config::RetryPolicy;
 use crate::log::{ProducerRecord, Record};
 use crate::metadata::{Outcome, RecordOutcome};
-use crate::processor::ProcessorContext;
+use crate::processor::remote::{RecordResult, Unreachable};
+use crate::processor::{Outputs, ProcessError, ProcessorContext};
 use crate::store::{Write, WriteTag};
 use bytes::Bytes;
 use std::collections::HashSet;
@@ -54,9 +57,17 @@ fn outcome(
     }
 }
 
+/// What an attempt runs: the pipeline's in-process processor, or the answer
+/// a remote processor gave for the record (applied like a processor's writes).
+pub(crate) enum Run {
+    Local,
+    Remote(RecordResult),
+}
+
 /// Runs the processor once over `record` with a fresh write buffer, applied
 /// to the store (tagged `tag`) only on success. An error, a panic, or a call
-/// that outlives `processing_timeout_ms` is a failure: (kind, message).
+/// that outlives `processing_timeout_ms` is a failure. On success, answers the
+/// record's output records (emitted during the attempt).
 fn attempt(
     shared: &Shared,
     context: &UnitContext,
@@ -64,7 +75,8 @@ fn attempt(
     number: u32,
     tag: WriteTag,
     buffer: &mut Vec<Write>,
-) -> Result<(), (String, String)> {
+    run: Run,
+) -> Result<Vec<ProducerRecord>, ProcessError> {
     let pipeline = &shared.pipelines[context.pipeline];
     let timeout = shared.processing_timeout();
     let started = Instant::now();
@@ -76,41 +88,93 @@ fn attempt(
         record.key.as_ref(),
         std::mem::take(buffer),
     );
+    let outputs = Outputs::default();
     let ctx = ProcessorContext {
         task_id: &context.task_id,
         partition: context.partition,
         attempt: number,
         store: &store,
         deadline,
+        outputs: Some(&outputs),
     };
-    let result = catch_unwind(AssertUnwindSafe(|| pipeline.processor.process(record, &ctx)));
-    let result = match result {
-        Ok(Ok(())) => match timeout {
-            Some(limit) if started.elapsed() > limit => Err((
-                "Timeout".to_string(),
-                format!(
-                    "processing took {} ms, more than processing_timeout_ms ({})",
-                    started.elapsed().as_millis(),
-                    limit.as_millis()
-                ),
-            )),
-            _ => Ok(()),
-        },
-        Ok(Err(e)) => Err((e.kind, e.message)),
-        Err(panic) => {
-            let message = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".to_string());
-            Err(("Panic".to_string(), message))
+    let result = match (run, &pipeline.processor) {
+        (Run::Remote(result), _) => apply_remote(result, &ctx),
+        (Run::Local, PipelineProcessor::Local(processor)) => {
+            match catch_unwind(AssertUnwindSafe(|| processor.process(record, &ctx))) {
+                Ok(Ok(())) => match timeout {
+                    Some(limit) if started.elapsed() > limit => Err(ProcessError::new(
+                        "Timeout",
+                        format!(
+                            "processing took {} ms, more than processing_timeout_ms ({})",
+                            started.elapsed().as_millis(),
+                            limit.as_millis()
+                        ),
+                    )),
+                    _ => Ok(()),
+                },
+                Ok(Err(e)) => Err(e),
+                Err(panic) => {
+                    let message = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "unknown panic".to_string());
+                    Err(ProcessError::new("Panic", message))
+                }
+            }
         }
+        (Run::Local, PipelineProcessor::Remote(_)) => Err(ProcessError::new(
+            "Internal",
+            "a remote pipeline's record was run without its processor's answer",
+        )),
     };
     *buffer = match result {
         Ok(()) => store.succeed(|writes| context.store.apply(tag, writes, context.settled_below)),
         Err(_) => store.discard(),
     };
-    result
+    result.map(|()| outputs.take())
+}
+
+/// Applies a remote processor's answer for one record inside its attempt.
+fn apply_remote(result: RecordResult, ctx: &ProcessorContext<'_>) -> Result<(), ProcessError> {
+    let effects = result?;
+    for (key, value) in effects.state_ops {
+        match value {
+            Some(value) => ctx.store.put(key, value)?,
+            None => {
+                ctx.store.delete(&key)?;
+            }
+        }
+    }
+    for output in effects.outputs {
+        ctx.emit(output);
+    }
+    Ok(())
+}
+
+/// One attempt of one record, called alone when the pipeline is remote (a
+/// retry, a blocking retry, a restore step). `Err(Unreachable)`: nothing ran.
+fn attempt_alone(
+    shared: &Shared,
+    context: &UnitContext,
+    record: &Record,
+    number: u32,
+    tag: WriteTag,
+    buffer: &mut Vec<Write>,
+) -> Result<Result<Vec<ProducerRecord>, ProcessError>, Unreachable> {
+    let run = match shared.pipelines[context.pipeline].processor.remote() {
+        None => Run::Local,
+        Some(remote) => {
+            let mut results = remote_calls::call(shared, context, remote, &[record], number)?;
+            Run::Remote(results.pop().unwrap_or_else(|| {
+                Err(ProcessError::new(
+                    crate::processor::remote::kinds::MALFORMED_RESPONSE,
+                    "no result for the record",
+                ))
+            }))
+        }
+    };
+    Ok(attempt(shared, context, record, number, tag, buffer, run))
 }
 
 /// The first wait after a failed append of failed records, doubling up to the cap.
@@ -149,11 +213,11 @@ fn append_failed(shared: &Shared, topic: &str, records: Vec<ProducerRecord>) -> 
     }
 }
 
-fn failure(kind: String, message: String) -> Failure {
+fn failure(error: ProcessError) -> Failure {
     let now = now_ms();
     Failure {
-        kind,
-        message,
+        kind: error.kind,
+        message: error.message,
         attempts: 1,
         first_failure_ms: now,
         last_failure_ms: now,
@@ -178,6 +242,11 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
     let mut to_dead_letter: Vec<(usize, ProducerRecord)> = Vec::new();
     let mut failed_keys: HashSet<Bytes> = HashSet::new();
     let mut buffer: Vec<Write> = Vec::new();
+    let remote = pipeline.processor.remote();
+    let mut prefetched = Prefetched::default();
+    // Output records of the processed records, by source offset.
+    let mut emitted: Vec<(u64, Vec<ProducerRecord>)> = Vec::new();
+    let mut give_back = false;
     let mut records = unit.records.iter().enumerate();
     while let Some((i, record)) = records.next() {
         // After the first record, to learn how slow records are; then every
@@ -221,28 +290,69 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         } else {
             WriteTag::Untracked
         };
-        let Err((kind, message)) = attempt(shared, context, record, 1, tag, &mut buffer) else {
-            outcomes.push(outcome(context, record, Outcome::Processed, 1, None));
-            continue;
+        let run = match remote {
+            None => Ok(Run::Local),
+            Some(remote) => match prefetched.take(i) {
+                Some(result) => Ok(Run::Remote(result)),
+                None => {
+                    let batch =
+                        remote_calls::next_batch(&unit.records, i, remote.max_records_per_call(), |j, r| {
+                            unit.parks(j)
+                                || (context.gating != Gating::Off
+                                    && r.key.as_ref().is_some_and(|k| failed_keys.contains(k)))
+                        });
+                    prefetched
+                        .fetch(shared, context, remote, &unit.records, &batch)
+                        .map(Run::Remote)
+                }
+            },
         };
-        let mut failure = failure(kind, message);
+        // The processor cannot be reached: this record and the rest go back
+        // untouched, to run once it answers again (the call waited already).
+        let Ok(run) = run else {
+            returned.push(record.clone());
+            returned.extend(records.map(|(_, r)| r.clone()));
+            break;
+        };
+        let error = match attempt(shared, context, record, 1, tag, &mut buffer, run) {
+            Ok(outputs) => {
+                emitted.push((record.offset, outputs));
+                outcomes.push(outcome(context, record, Outcome::Processed, 1, None));
+                continue;
+            }
+            Err(error) => error,
+        };
+        let retryable = error.retryable;
+        let mut failure = failure(error);
         if pipeline.retry_policy == RetryPolicy::Blocking {
             // Kafka Streams' way: the partition waits while the record is retried here.
             let mut final_outcome = Outcome::DeadLettered;
-            while failure.attempts < max_attempts {
+            let mut retryable = retryable;
+            while retryable && failure.attempts < max_attempts {
                 std::thread::sleep(shared.backoff(failure.attempts, record.offset));
-                match attempt(shared, context, record, failure.attempts + 1, tag, &mut buffer) {
-                    Ok(()) => {
+                match attempt_alone(shared, context, record, failure.attempts + 1, tag, &mut buffer) {
+                    Err(Unreachable { .. }) => {
+                        give_back = true;
+                        break;
+                    }
+                    Ok(Ok(outputs)) => {
+                        emitted.push((record.offset, outputs));
                         final_outcome = Outcome::Processed;
                         break;
                     }
-                    Err((kind, message)) => {
+                    Ok(Err(error)) => {
                         failure.attempts += 1;
-                        failure.kind = kind;
-                        failure.message = message;
+                        retryable = error.retryable;
+                        failure.kind = error.kind;
+                        failure.message = error.message;
                         failure.last_failure_ms = now_ms();
                     }
                 }
+            }
+            if give_back {
+                returned.push(record.clone());
+                returned.extend(records.map(|(_, r)| r.clone()));
+                break;
             }
             if final_outcome == Outcome::Processed {
                 outcomes.push(outcome(
@@ -265,7 +375,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
             }
             continue;
         }
-        if max_attempts <= 1 {
+        if max_attempts <= 1 || !retryable {
             let dead = retry::failed_record(&pipeline.topic, record, &failure);
             to_dead_letter.push((outcomes.len(), dead));
             outcomes.push(outcome(context, record, Outcome::DeadLettered, 1, Some(&failure)));
@@ -336,11 +446,18 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
     let mut buffer: Vec<Write> = Vec::new();
     let mut attempted = Vec::with_capacity(items.len());
     let mut blocked_keys: HashSet<Bytes> = HashSet::new();
+    // The remote processor could not be reached: the items left wait untouched.
+    let mut unreachable = false;
+    // Output records of the processed items, by source offset.
+    let mut emitted: Vec<(u64, Vec<ProducerRecord>)> = Vec::new();
     for mut item in items {
-        if keyed
-            && let Some(key) = &item.record.key
-            && blocked_keys.contains(key)
-        {
+        let blocked = keyed
+            && item
+                .record
+                .key
+                .as_ref()
+                .is_some_and(|key| blocked_keys.contains(key));
+        if unreachable || blocked {
             attempted.push((item, Next::Untouched));
             continue;
         }
@@ -353,18 +470,26 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
         } else {
             WriteTag::Untracked
         };
-        let next = match attempt(shared, context, &item.record, number, tag, &mut buffer) {
-            Ok(()) => Next::Processed,
-            Err((kind, message)) => {
+        let Ok(result) = attempt_alone(shared, context, &item.record, number, tag, &mut buffer) else {
+            unreachable = true;
+            attempted.push((item, Next::Untouched));
+            continue;
+        };
+        let next = match result {
+            Ok(outputs) => {
+                emitted.push((item.record.offset, outputs));
+                Next::Processed
+            }
+            Err(error) => {
                 let now = now_ms();
                 item.failure.attempts = number;
-                item.failure.kind = kind;
-                item.failure.message = message;
+                item.failure.kind = error.kind;
+                item.failure.message = error.message;
                 item.failure.last_failure_ms = now;
                 if item.failure.first_failure_ms == 0 {
                     item.failure.first_failure_ms = now;
                 }
-                if number >= max_attempts {
+                if number >= max_attempts || !error.retryable {
                     Next::DeadLetter
                 } else {
                     item.due_ms = now + shared.backoff(number, item.retry_offset).as_millis() as i64;
@@ -467,8 +592,13 @@ pub(crate) fn restore_chunk(
             continue;
         }
         for number in 1..=shared.config.retry_max_attempts {
-            if attempt(shared, context, record, number, WriteTag::Untracked, &mut buffer).is_ok() {
-                break;
+            // Outputs were written when the record first ran: a replay only rebuilds state.
+            match attempt_alone(shared, context, record, number, WriteTag::Untracked, &mut buffer) {
+                Ok(Ok(_)) => break,
+                Ok(Err(error)) if !error.retryable => break,
+                Ok(Err(_)) => {}
+                // The remote processor cannot be reached: resume here later.
+                Err(Unreachable { .. }) => return Ok(record.offset),
             }
         }
     }

@@ -11,6 +11,7 @@ use crate::config::{Config, ProcessingOrder, RetryPolicy, StoreKind};
 use crate::log::Log;
 use crate::metadata::{AppState, HostInfo};
 use crate::processor::Processor;
+use crate::processor::remote::RemoteProcessor;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
@@ -34,12 +35,28 @@ pub(crate) struct PipelineRuntime {
     pub(crate) partitions: u32,
     pub(crate) order: ProcessingOrder,
     pub(crate) threads_per_task: usize,
-    pub(crate) processor: Arc<dyn Processor>,
+    pub(crate) processor: PipelineProcessor,
     pub(crate) processor_name: String,
     pub(crate) store_kind: StoreKind,
     pub(crate) retry_policy: RetryPolicy,
     pub(crate) retry_topic: Arc<str>,
     pub(crate) dead_letter_topic: Arc<str>,
+}
+
+/// What runs a pipeline's records: code in this process, or a user's
+/// `ProcessorService` called over gRPC (whose answers the runtime applies).
+pub(crate) enum PipelineProcessor {
+    Local(Arc<dyn Processor>),
+    Remote(Arc<RemoteProcessor>),
+}
+
+impl PipelineProcessor {
+    pub(crate) fn remote(&self) -> Option<&RemoteProcessor> {
+        match self {
+            PipelineProcessor::Local(_) => None,
+            PipelineProcessor::Remote(remote) => Some(remote),
+        }
+    }
 }
 
 pub(crate) struct Shared {

@@ -246,6 +246,16 @@ fn pipeline_metadata(pipeline: &PipelineMetadata) -> pb::PipelineMetadata {
         dead_letter_topic: pipeline.dead_letter_topic.clone(),
         retry_backlog: pipeline.retry_backlog,
         dead_lettered: pipeline.dead_lettered,
+        remote_processor: pipeline
+            .remote_processor
+            .as_ref()
+            .map(|status| pb::RemoteProcessorStatus {
+                endpoint: status.endpoint.clone(),
+                waiting: status.waiting_since_ms.is_some(),
+                waiting_since_ms: status.waiting_since_ms.unwrap_or(0),
+                last_error: status.last_error.clone().unwrap_or_default(),
+                unreachable_calls: status.unreachable_calls,
+            }),
     }
 }
 

@@ -84,6 +84,14 @@ pub async fn serve(
     set_health(&health, ServingStatus::Serving).await;
     // While storage fails, the services that need it say so; until shutdown.
     let mut storage_follower = Some(tokio::spawn(follow_storage(health.clone(), app.storage_health())));
+    // Each pipeline with a remote processor: NOT_SERVING while it waits for it.
+    let processor_followers: Vec<_> = app
+        .processor_waiting()
+        .into_iter()
+        .map(|(pipeline, waiting)| tokio::spawn(follow_processor(health.clone(), pipeline, waiting)))
+        .collect();
+    // Ended with the server; a pipeline's status means nothing after that.
+    let _processor_followers = AbortOnDrop(processor_followers);
 
     // Both reflection versions: grpcurl 1.8.6 (PyPI) only speaks v1alpha. The
     // health and google.rpc descriptors let clients describe health and decode
@@ -191,6 +199,43 @@ async fn follow_storage(health: HealthReporter, storage: Arc<StorageHealth>) {
             health.set_service_status(service, status).await;
         }
         if changes.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Aborts its tasks when dropped.
+struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
+
+/// The health name of a pipeline: `taskstream.pipeline.<name>`.
+pub fn pipeline_health_name(pipeline: &str) -> String {
+    format!("taskstream.pipeline.{pipeline}")
+}
+
+/// Keeps the health of a pipeline with a remote processor: SERVING while the
+/// processor answers, NOT_SERVING while the pipeline waits for it. Ends with the app.
+async fn follow_processor(
+    health: HealthReporter,
+    pipeline: String,
+    mut waiting: tokio::sync::watch::Receiver<bool>,
+) {
+    let name = pipeline_health_name(&pipeline);
+    loop {
+        let status = if *waiting.borrow_and_update() {
+            ServingStatus::NotServing
+        } else {
+            ServingStatus::Serving
+        };
+        health.set_service_status(&name, status).await;
+        if waiting.changed().await.is_err() {
             return;
         }
     }

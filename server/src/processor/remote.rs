@@ -1,0 +1,704 @@
+//! Remote processors: a user's `taskstream.v1.ProcessorService`, called over
+//! gRPC from the stream threads. This module owns the channels (one HTTP/2
+//! connection per endpoint, shared by every thread and pipeline using it), the
+//! translation of a call's answer into per-record results (checked: a
+//! malformed answer fails its records with a documented kind), and the
+//! processor's outage state: an unreachable processor fails no record, the
+//! caller gives its records back and later calls wait with backoff.
+
+use super::ProcessError;
+use crate::config::GrpcProcessorSpec;
+use crate::log::{ProducerRecord, Record};
+use bytes::Bytes;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use taskstream::v1 as pb;
+use taskstream::v1::processor_service_client::ProcessorServiceClient;
+use tonic::transport::{Channel, Endpoint};
+
+/// Error kinds of records failed by the runtime on the processor's behalf
+/// (the README's table "Remote processors" lists them).
+pub mod kinds {
+    /// The answer had another number of results than records, a result with
+    /// neither success nor failure, or a state op with neither put nor delete.
+    pub const MALFORMED_RESPONSE: &str = "MalformedResponse";
+    /// A state op on a key that is not the key of one of the call's records.
+    pub const UNKNOWN_STATE_KEY: &str = "UnknownStateKey";
+    /// The answer was larger than `max_response_bytes`.
+    pub const RESPONSE_TOO_LARGE: &str = "ResponseTooLarge";
+    /// No answer within `processing_timeout_ms`.
+    pub const TIMEOUT: &str = "Timeout";
+    /// The service answered the call with a gRPC error (other than UNAVAILABLE).
+    pub const PROCESSOR_ERROR: &str = "ProcessorError";
+    /// A failure whose `kind` the processor left empty.
+    pub const REMOTE_FAILURE: &str = "RemoteFailure";
+    /// An output record the sink topic cannot take (a partition out of range).
+    pub const INVALID_OUTPUT: &str = "InvalidOutput";
+}
+
+/// The first wait after a processor could not be reached, doubling up to the cap.
+const OUTAGE_BACKOFF_FIRST: Duration = Duration::from_millis(100);
+const OUTAGE_BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// A thread waits at most this long for the next probe of an unreachable
+/// processor before it gives its records back, so that it can commit, stop,
+/// or work for other pipelines meanwhile.
+const MAX_WAIT_IN_CALL: Duration = Duration::from_millis(200);
+
+/// The processor could not be reached: no record of the call failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("processor `{endpoint}` cannot be reached: {message}")]
+pub struct Unreachable {
+    pub endpoint: String,
+    pub message: String,
+}
+
+/// What a record's success asks for: state operations (a `None` value
+/// deletes the key) in order, and output records for the sink topic.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Effects {
+    pub state_ops: Vec<(Bytes, Option<Bytes>)>,
+    pub outputs: Vec<ProducerRecord>,
+}
+
+/// One record's answer.
+pub type RecordResult = Result<Effects, ProcessError>;
+
+/// One call: records of one task, in processing order, with the state of
+/// their keys when the pipeline includes it.
+pub struct Call<'a> {
+    pub task_id: &'a str,
+    pub partition: u32,
+    pub attempt: u32,
+    /// `processing_timeout_ms` from now, if there is a limit.
+    pub timeout: Option<Duration>,
+    pub records: &'a [&'a Record],
+    /// The store's value of each distinct key (empty without `include_state`).
+    pub state: Vec<(Bytes, Option<Bytes>)>,
+}
+
+/// Whether a remote processor answers, as DescribeRuntime and health show it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProcessorStatus {
+    pub endpoint: String,
+    /// Since when (ms since the Unix epoch) the processor cannot be reached;
+    /// `None` while it answers.
+    pub waiting_since_ms: Option<i64>,
+    /// The latest error of a call that could not reach it.
+    pub last_error: Option<String>,
+    /// Calls that could not reach it, since the start.
+    pub unreachable_calls: u64,
+}
+
+/// The tokio runtime that drives the remote processors' connections, and
+/// their channels by endpoint. Stream threads are OS threads: they block on
+/// their calls, which this runtime's workers carry over the network.
+pub struct RemoteRuntime {
+    /// `Some` until drop, which shuts it down without waiting (it may be
+    /// dropped inside another runtime, where a blocking shutdown panics).
+    runtime: Option<tokio::runtime::Runtime>,
+    channels: Mutex<HashMap<String, Channel>>,
+}
+
+impl RemoteRuntime {
+    pub fn new() -> std::io::Result<Arc<RemoteRuntime>> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("taskstream-remote")
+            .enable_all()
+            .build()?;
+        Ok(Arc::new(RemoteRuntime {
+            runtime: Some(runtime),
+            channels: Mutex::new(HashMap::new()),
+        }))
+    }
+
+    fn handle(&self) -> &tokio::runtime::Handle {
+        match &self.runtime {
+            Some(runtime) => runtime.handle(),
+            None => unreachable!("the runtime is taken only by drop"),
+        }
+    }
+
+    /// The channel of `endpoint`, created (lazily connecting) on first use.
+    fn channel(&self, endpoint: &str) -> Result<Channel, String> {
+        let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(channel) = channels.get(endpoint) {
+            return Ok(channel.clone());
+        }
+        let _entered = self.handle().enter();
+        let channel = Endpoint::from_shared(endpoint.to_string())
+            .map_err(|e| format!("`{endpoint}` is not a valid endpoint: {e}"))?
+            .tcp_nodelay(true)
+            .connect_timeout(Duration::from_secs(5))
+            .http2_keep_alive_interval(Duration::from_secs(30))
+            .keep_alive_while_idle(true)
+            .connect_lazy();
+        channels.insert(endpoint.to_string(), channel.clone());
+        Ok(channel)
+    }
+}
+
+impl Drop for RemoteRuntime {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+struct Outage {
+    since_ms: i64,
+    backoff: Duration,
+    next_probe: Instant,
+}
+
+#[derive(Default)]
+struct Reachability {
+    outage: Option<Outage>,
+    last_error: Option<String>,
+    unreachable_calls: u64,
+}
+
+/// A pipeline's remote processor. Shared by every thread of the pipeline;
+/// each thread has at most one call in flight.
+pub struct RemoteProcessor {
+    spec: GrpcProcessorSpec,
+    pipeline: Arc<str>,
+    source_topic: Arc<str>,
+    runtime: Arc<RemoteRuntime>,
+    client: ProcessorServiceClient<Channel>,
+    /// Invariant: `outage` is `Some` exactly from a call that could not reach
+    /// the processor until the next call that got an answer (of any kind).
+    reachability: Mutex<Reachability>,
+    /// Whether `outage` is `Some`, for those who follow it (gRPC health).
+    waiting: tokio::sync::watch::Sender<bool>,
+}
+
+impl RemoteProcessor {
+    pub fn new(
+        spec: GrpcProcessorSpec,
+        pipeline: &str,
+        source_topic: &str,
+        runtime: Arc<RemoteRuntime>,
+    ) -> Result<RemoteProcessor, String> {
+        let channel = runtime.channel(&spec.endpoint)?;
+        let client = ProcessorServiceClient::new(channel)
+            .max_decoding_message_size(spec.max_response_bytes)
+            .max_encoding_message_size(usize::MAX);
+        Ok(RemoteProcessor {
+            spec,
+            pipeline: pipeline.into(),
+            source_topic: source_topic.into(),
+            runtime,
+            client,
+            reachability: Mutex::new(Reachability::default()),
+            waiting: tokio::sync::watch::Sender::new(false),
+        })
+    }
+
+    /// Follows whether the pipeline waits for its processor.
+    pub fn subscribe_waiting(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.waiting.subscribe()
+    }
+
+    fn set_waiting(&self, waiting: bool) {
+        self.waiting
+            .send_if_modified(|w| std::mem::replace(w, waiting) != waiting);
+        metrics::gauge!(crate::metrics::PROCESSOR_WAITING, "pipeline" => self.pipeline.to_string())
+            .set(if waiting { 1.0 } else { 0.0 });
+    }
+
+    pub fn include_state(&self) -> bool {
+        self.spec.include_state
+    }
+
+    pub fn max_records_per_call(&self) -> usize {
+        self.spec.max_records_per_call
+    }
+
+    pub fn endpoint(&self) -> &str {
+        &self.spec.endpoint
+    }
+
+    fn reachability(&self) -> MutexGuard<'_, Reachability> {
+        self.reachability.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn status(&self) -> ProcessorStatus {
+        let reachability = self.reachability();
+        ProcessorStatus {
+            endpoint: self.spec.endpoint.clone(),
+            waiting_since_ms: reachability.outage.as_ref().map(|o| o.since_ms),
+            last_error: reachability.last_error.clone(),
+            unreachable_calls: reachability.unreachable_calls,
+        }
+    }
+
+    /// Whether the processor cannot be reached right now.
+    pub fn is_waiting(&self) -> bool {
+        self.reachability().outage.is_some()
+    }
+
+    /// Calls the processor: one result per record of the call, in order, or
+    /// `Unreachable` (no record failed; give them back and call again later).
+    /// While the processor is unreachable, a call first waits for the next
+    /// probe time, at most `MAX_WAIT_IN_CALL`.
+    pub fn call(&self, call: &Call<'_>) -> Result<Vec<RecordResult>, Unreachable> {
+        self.wait_for_probe()?;
+        let request = self.request(call);
+        let mut client = self.client.clone();
+        let timeout = call.timeout;
+        let answer = self.runtime.handle().block_on(async move {
+            let mut request = tonic::Request::new(request);
+            match timeout {
+                Some(limit) => {
+                    request.set_timeout(limit);
+                    match tokio::time::timeout(limit, client.process(request)).await {
+                        Ok(answer) => answer,
+                        Err(_) => Err(tonic::Status::deadline_exceeded("processing_timeout_ms ran out")),
+                    }
+                }
+                None => client.process(request).await,
+            }
+        });
+        match answer {
+            Ok(response) => {
+                self.reached();
+                Ok(results(call.records, response.into_inner()))
+            }
+            Err(status) => match classify(&status, timeout) {
+                Some(failure) => {
+                    self.reached();
+                    Ok(call.records.iter().map(|_| Err(failure.clone())).collect())
+                }
+                None => Err(self.unreachable(&status)),
+            },
+        }
+    }
+
+    fn wait_for_probe(&self) -> Result<(), Unreachable> {
+        let next_probe = match &self.reachability().outage {
+            Some(outage) => outage.next_probe,
+            None => return Ok(()),
+        };
+        let wait = next_probe.saturating_duration_since(Instant::now());
+        if wait > MAX_WAIT_IN_CALL {
+            std::thread::sleep(MAX_WAIT_IN_CALL);
+            let reachability = self.reachability();
+            return Err(Unreachable {
+                endpoint: self.spec.endpoint.clone(),
+                message: reachability
+                    .last_error
+                    .clone()
+                    .unwrap_or_else(|| "waiting for the next probe".to_string()),
+            });
+        }
+        std::thread::sleep(wait);
+        Ok(())
+    }
+
+    fn reached(&self) {
+        let mut reachability = self.reachability();
+        if let Some(outage) = reachability.outage.take() {
+            drop(reachability);
+            self.set_waiting(false);
+            tracing::info!(
+                pipeline = %self.pipeline,
+                endpoint = %self.spec.endpoint,
+                waited_ms = crate::runtime::now_ms() - outage.since_ms,
+                "processor reachable again; the pipeline resumes"
+            );
+        }
+    }
+
+    fn unreachable(&self, status: &tonic::Status) -> Unreachable {
+        let message = describe_status(status);
+        let mut reachability = self.reachability();
+        reachability.unreachable_calls += 1;
+        reachability.last_error = Some(message.clone());
+        let now = Instant::now();
+        let newly = match &mut reachability.outage {
+            Some(outage) => {
+                // Calls of several threads fail together: one doubling per probe time.
+                if now >= outage.next_probe {
+                    outage.backoff = (outage.backoff * 2).min(OUTAGE_BACKOFF_MAX);
+                    outage.next_probe = now + outage.backoff;
+                }
+                false
+            }
+            None => {
+                tracing::warn!(
+                    pipeline = %self.pipeline,
+                    endpoint = %self.spec.endpoint,
+                    error = %message,
+                    "processor cannot be reached; the pipeline waits for it"
+                );
+                reachability.outage = Some(Outage {
+                    since_ms: crate::runtime::now_ms(),
+                    backoff: OUTAGE_BACKOFF_FIRST,
+                    next_probe: now + OUTAGE_BACKOFF_FIRST,
+                });
+                true
+            }
+        };
+        drop(reachability);
+        if newly {
+            self.set_waiting(true);
+        }
+        metrics::counter!(crate::metrics::PROCESSOR_UNREACHABLE, "pipeline" => self.pipeline.to_string())
+            .increment(1);
+        Unreachable {
+            endpoint: self.spec.endpoint.clone(),
+            message,
+        }
+    }
+
+    fn request(&self, call: &Call<'_>) -> pb::ProcessRequest {
+        let deadline_ms = call
+            .timeout
+            .map_or(0, |t| crate::runtime::now_ms() + t.as_millis() as i64);
+        pb::ProcessRequest {
+            pipeline: self.pipeline.to_string(),
+            task: call.task_id.to_string(),
+            source_topic: self.source_topic.to_string(),
+            partition: call.partition,
+            attempt: call.attempt,
+            deadline_ms,
+            records: call
+                .records
+                .iter()
+                .map(|r| pb::ProcessRecord {
+                    offset: r.offset as i64,
+                    timestamp_ms: r.timestamp_ms,
+                    key: r.key.clone(),
+                    value: r.value.clone(),
+                    headers: r
+                        .headers
+                        .iter()
+                        .map(|(name, value)| pb::Header {
+                            name: name.clone(),
+                            value: value.clone(),
+                        })
+                        .collect(),
+                })
+                .collect(),
+            state: call
+                .state
+                .iter()
+                .map(|(key, value)| pb::KeyState {
+                    key: key.clone(),
+                    value: value.clone(),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A status that is an answer about the call's records (they fail), or
+/// `None` when it says the processor could not be reached.
+fn classify(status: &tonic::Status, timeout: Option<Duration>) -> Option<ProcessError> {
+    use tonic::Code;
+    match status.code() {
+        Code::DeadlineExceeded => Some(ProcessError::new(
+            kinds::TIMEOUT,
+            format!(
+                "no answer within processing_timeout_ms ({} ms)",
+                timeout.map_or(0, |t| t.as_millis())
+            ),
+        )),
+        Code::Unavailable => None,
+        // tonic's own limit on a decoded message; the processor never sends this code for it.
+        Code::OutOfRange if status.message().contains("message length too large") => Some(ProcessError::new(
+            kinds::RESPONSE_TOO_LARGE,
+            format!("the processor's answer was too large: {}", status.message()),
+        )),
+        // A status made on this side from a transport error (a connection
+        // reset, a broken HTTP/2 stream) carries its cause; one the processor
+        // sent does not.
+        Code::Unknown | Code::Internal | Code::Cancelled if std::error::Error::source(status).is_some() => {
+            None
+        }
+        code => Some(ProcessError::new(
+            kinds::PROCESSOR_ERROR,
+            format!("the processor answered {code:?}: {}", status.message()),
+        )),
+    }
+}
+
+fn describe_status(status: &tonic::Status) -> String {
+    let mut message = format!("{:?}: {}", status.code(), status.message());
+    let mut source = std::error::Error::source(status);
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !message.contains(&text) {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
+        source = cause.source();
+    }
+    message
+}
+
+/// The per-record results of an answer, checked against the call.
+fn results(records: &[&Record], response: pb::ProcessResponse) -> Vec<RecordResult> {
+    if response.results.len() != records.len() {
+        let error = ProcessError::new(
+            kinds::MALFORMED_RESPONSE,
+            format!(
+                "the processor answered {} results for {} records",
+                response.results.len(),
+                records.len()
+            ),
+        );
+        return records.iter().map(|_| Err(error.clone())).collect();
+    }
+    let keys: HashSet<&[u8]> = records.iter().filter_map(|r| r.key.as_deref()).collect();
+    response
+        .results
+        .into_iter()
+        .zip(records)
+        .map(|(result, record)| record_result(result, record, &keys))
+        .collect()
+}
+
+fn record_result(result: pb::RecordResult, record: &Record, keys: &HashSet<&[u8]>) -> RecordResult {
+    use pb::record_result::Result as Answer;
+    use pb::state_op::Op;
+    match result.result {
+        None => Err(ProcessError::new(
+            kinds::MALFORMED_RESPONSE,
+            format!(
+                "the result of offset {} has neither success nor failure",
+                record.offset
+            ),
+        )),
+        Some(Answer::Failure(failure)) => {
+            let kind = if failure.kind.is_empty() {
+                kinds::REMOTE_FAILURE.to_string()
+            } else {
+                failure.kind
+            };
+            let error = ProcessError::new(kind, failure.message);
+            Err(if failure.retryable {
+                error
+            } else {
+                error.permanent()
+            })
+        }
+        Some(Answer::Success(success)) => {
+            let mut state_ops = Vec::with_capacity(success.state_ops.len());
+            for op in success.state_ops {
+                if !keys.contains(op.key.as_ref()) {
+                    return Err(ProcessError::new(
+                        kinds::UNKNOWN_STATE_KEY,
+                        format!(
+                            "the result of offset {} writes key {:?}, which is not the key of a record of the call",
+                            record.offset,
+                            String::from_utf8_lossy(&op.key[..op.key.len().min(64)])
+                        ),
+                    ));
+                }
+                match op.op {
+                    Some(Op::Put(value)) => state_ops.push((op.key, Some(value))),
+                    Some(Op::Delete(_)) => state_ops.push((op.key, None)),
+                    None => {
+                        return Err(ProcessError::new(
+                            kinds::MALFORMED_RESPONSE,
+                            format!(
+                                "a state op of offset {} has neither put nor delete",
+                                record.offset
+                            ),
+                        ));
+                    }
+                }
+            }
+            let outputs = success
+                .outputs
+                .into_iter()
+                .map(|output| ProducerRecord {
+                    key: output.key,
+                    value: output.value,
+                    partition: output.partition,
+                    timestamp_ms: Some(if output.timestamp_ms == 0 {
+                        record.timestamp_ms
+                    } else {
+                        output.timestamp_ms
+                    }),
+                    headers: output.headers.into_iter().map(|h| (h.name, h.value)).collect(),
+                })
+                .collect();
+            Ok(Effects { state_ops, outputs })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pb::record_result::Result as Answer;
+
+    fn record(offset: u64, key: &str) -> Record {
+        Record {
+            partition: 0,
+            offset,
+            timestamp_ms: 1_000 + offset as i64,
+            key: Some(Bytes::copy_from_slice(key.as_bytes())),
+            value: Bytes::from_static(b"v"),
+            headers: vec![],
+        }
+    }
+
+    fn success(ops: Vec<pb::StateOp>, outputs: Vec<pb::OutputRecord>) -> pb::RecordResult {
+        pb::RecordResult {
+            result: Some(Answer::Success(pb::RecordSuccess {
+                state_ops: ops,
+                outputs,
+            })),
+        }
+    }
+
+    fn put(key: &str, value: &str) -> pb::StateOp {
+        pb::StateOp {
+            key: Bytes::copy_from_slice(key.as_bytes()),
+            op: Some(pb::state_op::Op::Put(Bytes::copy_from_slice(value.as_bytes()))),
+        }
+    }
+
+    #[test]
+    fn answers_map_to_records_and_malformed_ones_fail_with_their_kind() {
+        let (a, b) = (record(0, "a"), record(1, "b"));
+        let records = [&a, &b];
+        let answer = pb::ProcessResponse {
+            results: vec![
+                success(
+                    vec![
+                        put("a", "1"),
+                        pb::StateOp {
+                            key: Bytes::from_static(b"b"),
+                            op: Some(pb::state_op::Op::Delete(true)),
+                        },
+                    ],
+                    vec![pb::OutputRecord {
+                        key: Some(Bytes::from_static(b"a")),
+                        value: Bytes::from_static(b"out"),
+                        ..Default::default()
+                    }],
+                ),
+                pb::RecordResult {
+                    result: Some(Answer::Failure(pb::RecordFailure {
+                        kind: "Bad".into(),
+                        message: "no".into(),
+                        retryable: false,
+                    })),
+                },
+            ],
+        };
+        let results = results(&records, answer);
+        let effects = results[0].as_ref().unwrap();
+        assert_eq!(
+            effects.state_ops,
+            vec![
+                (Bytes::from_static(b"a"), Some(Bytes::from_static(b"1"))),
+                (Bytes::from_static(b"b"), None)
+            ]
+        );
+        assert_eq!(
+            effects.outputs[0].timestamp_ms,
+            Some(1_000),
+            "the source record's timestamp"
+        );
+        let failure = results[1].as_ref().unwrap_err();
+        assert_eq!((failure.kind.as_str(), failure.retryable), ("Bad", false));
+
+        let short = results_of(&records, vec![success(vec![], vec![])]);
+        assert!(
+            short
+                .iter()
+                .all(|r| r.as_ref().unwrap_err().kind == kinds::MALFORMED_RESPONSE)
+        );
+
+        let stray = results_of(
+            &records,
+            vec![success(vec![put("zz", "1")], vec![]), success(vec![], vec![])],
+        );
+        assert_eq!(stray[0].as_ref().unwrap_err().kind, kinds::UNKNOWN_STATE_KEY);
+        assert!(stray[1].is_ok(), "only the record with the bad op fails");
+
+        let empty = results_of(
+            &records,
+            vec![
+                pb::RecordResult { result: None },
+                success(
+                    vec![pb::StateOp {
+                        key: Bytes::from_static(b"b"),
+                        op: None,
+                    }],
+                    vec![],
+                ),
+            ],
+        );
+        assert!(
+            empty
+                .iter()
+                .all(|r| r.as_ref().unwrap_err().kind == kinds::MALFORMED_RESPONSE)
+        );
+    }
+
+    fn results_of(records: &[&Record], results: Vec<pb::RecordResult>) -> Vec<RecordResult> {
+        super::results(records, pb::ProcessResponse { results })
+    }
+
+    #[test]
+    fn statuses_split_into_record_failures_and_outages() {
+        let timeout = Some(Duration::from_millis(10));
+        assert_eq!(classify(&tonic::Status::unavailable("down"), timeout), None);
+        assert_eq!(
+            classify(&tonic::Status::deadline_exceeded("late"), timeout)
+                .unwrap()
+                .kind,
+            kinds::TIMEOUT
+        );
+        let internal = classify(&tonic::Status::internal("bug"), timeout).unwrap();
+        assert_eq!(internal.kind, kinds::PROCESSOR_ERROR);
+        assert!(internal.retryable);
+        let transport = tonic::Status::from_error(Box::new(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "reset",
+        )));
+        assert_eq!(classify(&transport, timeout), None, "{transport:?}");
+    }
+
+    #[test]
+    fn an_unreachable_processor_waits_with_backoff_and_recovers() {
+        let runtime = RemoteRuntime::new().unwrap();
+        // Port 1 on loopback: nothing listens, the connection is refused.
+        let processor =
+            RemoteProcessor::new(GrpcProcessorSpec::new("http://127.0.0.1:1"), "p", "t", runtime).unwrap();
+        let a = record(0, "a");
+        let call = Call {
+            task_id: "p_0",
+            partition: 0,
+            attempt: 1,
+            timeout: Some(Duration::from_secs(5)),
+            records: &[&a],
+            state: vec![],
+        };
+        let waiting = processor.subscribe_waiting();
+        let error = processor.call(&call).unwrap_err();
+        assert!(processor.is_waiting());
+        assert!(*waiting.borrow());
+        let status = processor.status();
+        assert_eq!(status.unreachable_calls, 1);
+        assert!(status.waiting_since_ms.is_some());
+        assert_eq!(status.last_error.as_deref(), Some(error.message.as_str()));
+        processor.reached();
+        assert!(!processor.is_waiting());
+        assert!(!*waiting.borrow());
+        assert!(
+            processor.status().last_error.is_some(),
+            "the last error stays for diagnosis"
+        );
+    }
+}
