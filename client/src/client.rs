@@ -151,25 +151,34 @@ impl StreamsClient {
     }
 
     /// Every entry of `store` with a key in `[from, to]` (both inclusive; `None`
-    /// is open), all partitions merged in key order.
+    /// is open), all partitions merged in key order. The server answers in pages of
+    /// at most its `max_response_bytes`; this follows them to the last.
     pub async fn range(
         &self,
         store: &str,
         from: Option<Bytes>,
         to: Option<Bytes>,
     ) -> Result<Vec<(Bytes, Bytes)>, ClientError> {
-        let request = v1::QueryRequest {
+        let mut request = v1::QueryRequest {
             store: store.to_owned(),
             query: Some(v1::query_request::Query::Range(v1::RangeQuery { from, to })),
             ..Default::default()
         };
-        let response = self.query(request).await?;
-        let mut entries: Vec<(Bytes, Bytes)> = response
-            .results
-            .into_iter()
-            .flat_map(|result| result.entries)
-            .map(|entry| (entry.key, entry.value))
-            .collect();
+        let mut entries: Vec<(Bytes, Bytes)> = Vec::new();
+        loop {
+            let response = self.query(request.clone()).await?;
+            entries.extend(
+                response
+                    .results
+                    .into_iter()
+                    .flat_map(|result| result.entries)
+                    .map(|entry| (entry.key, entry.value)),
+            );
+            if response.next_page_token.is_empty() {
+                break;
+            }
+            request.page_token = response.next_page_token;
+        }
         // Keys are hashed to partitions, so each partition's sorted run covers
         // the whole key space: a plain sort is the merge.
         entries.sort_by(|a, b| a.0.cmp(&b.0));

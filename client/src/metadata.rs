@@ -152,8 +152,11 @@ impl MetadataOptions {
 pub struct RecordMetadata {
     pub partition: u32,
     pub offset: i64,
-    /// Absent for records produced without a key.
+    /// Absent for records produced without a key. A key longer than the server's
+    /// `outcome_key_bytes` arrives cut to that size, its last 8 bytes a hash of the
+    /// whole key (`key_truncated`).
     pub key: Option<Bytes>,
+    pub key_truncated: bool,
     /// Milliseconds since the Unix epoch.
     pub timestamp_ms: i64,
     pub outcome: v1::RecordOutcome,
@@ -175,6 +178,7 @@ impl RecordMetadata {
             partition,
             offset: record.offset,
             key: record.key,
+            key_truncated: record.key_truncated,
             timestamp_ms: record.timestamp_ms,
             outcome,
             attempts: record.attempts,
@@ -321,6 +325,7 @@ mod tests {
             attempts: 1,
             error: String::new(),
             thread: String::new(),
+            key_truncated: false,
         }
     }
 

@@ -174,6 +174,7 @@ impl StreamsService for Fake {
         Ok(Response::new(v1::QueryResponse {
             store: request.store,
             results: self.results.clone(),
+            next_page_token: Default::default(),
         }))
     }
 

@@ -52,12 +52,19 @@ pub struct Server {
 impl Server {
     /// Serves `config(addr, application_id)`.
     pub fn start(application_id: &str) -> Server {
+        Server::start_with(application_id, |_| {})
+    }
+
+    /// Serves `config(addr, application_id)` as `change` leaves it.
+    pub fn start_with(application_id: &str, change: impl FnOnce(&mut Config)) -> Server {
         // Bound before `serve` runs, so a client that connects early waits in
         // the backlog instead of being refused: no readiness race.
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
         listener.set_nonblocking(true).expect("non-blocking listener");
         let addr = listener.local_addr().expect("bound address");
-        let app = StreamsApp::start(config(addr, application_id)).expect("start the app");
+        let mut config = config(addr, application_id);
+        change(&mut config);
+        let app = StreamsApp::start(config).expect("start the app");
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -586,6 +586,26 @@ pub struct Config {
     /// Largest gRPC message the server reads or writes, in bytes: a bigger request is
     /// refused (RESOURCE_EXHAUSTED), a bigger response fails instead of being sent.
     pub max_message_bytes: usize,
+    /// Largest key of a produced record, in bytes.
+    pub max_key_bytes: usize,
+    /// Largest value of a produced record, in bytes.
+    pub max_value_bytes: usize,
+    /// Most bytes of one produced record's headers, names and values together.
+    pub max_header_bytes: usize,
+    /// Most records in one Produce request (and in each message of a ProduceStream).
+    pub max_records_per_produce: usize,
+    /// A ReadTopic answer or a range Query page stops once its records reach this many
+    /// bytes (it always holds at least one); the client reads on from where it stopped.
+    pub max_response_bytes: usize,
+    /// Most stream threads: AddStreamThread beyond it is refused.
+    pub max_stream_threads: usize,
+    /// Most concurrent calls (HTTP/2 streams) on one client connection.
+    pub max_concurrent_streams: u32,
+    /// Most GetMetadataAsync streams open at once, over all connections.
+    pub max_subscribers: usize,
+    /// Keys longer than this are kept in record outcomes (streams and their history) cut to
+    /// this many bytes, the last 8 of them a hash of the whole key.
+    pub outcome_key_bytes: usize,
 }
 
 /// librdkafka settings that taskstream sets itself: a `[kafka]` table may not
@@ -687,6 +707,15 @@ impl Default for Config {
             group_protocol: GroupProtocol::Consumer,
             kafka: BTreeMap::new(),
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+            max_key_bytes: 64 << 10,
+            max_value_bytes: 1 << 20,
+            max_header_bytes: 64 << 10,
+            max_records_per_produce: 10_000,
+            max_response_bytes: 1 << 20,
+            max_stream_threads: 256,
+            max_concurrent_streams: 1024,
+            max_subscribers: 4096,
+            outcome_key_bytes: 1024,
         }
     }
 }
@@ -923,6 +952,69 @@ pub const SETTINGS: &[Setting] = &[
         parse_number,
         "Largest gRPC message read or written; a bigger request is refused with RESOURCE_EXHAUSTED."
     ),
+    setting!(
+        max_key_bytes,
+        None,
+        "BYTES",
+        parse_number,
+        "Largest key of a produced record."
+    ),
+    setting!(
+        max_value_bytes,
+        None,
+        "BYTES",
+        parse_number,
+        "Largest value of a produced record."
+    ),
+    setting!(
+        max_header_bytes,
+        None,
+        "BYTES",
+        parse_number,
+        "Most bytes of one produced record's headers, names and values together."
+    ),
+    setting!(
+        max_records_per_produce,
+        None,
+        "N",
+        parse_number,
+        "Most records in one Produce request (and in each message of a ProduceStream)."
+    ),
+    setting!(
+        max_response_bytes,
+        None,
+        "BYTES",
+        parse_number,
+        "A ReadTopic answer or range Query page stops once its records reach this many bytes."
+    ),
+    setting!(
+        max_stream_threads,
+        Some("max-stream-threads"),
+        "N",
+        parse_number,
+        "Most stream threads: AddStreamThread beyond it is refused."
+    ),
+    setting!(
+        max_concurrent_streams,
+        None,
+        "N",
+        parse_number,
+        "Most concurrent calls (HTTP/2 streams) on one client connection."
+    ),
+    setting!(
+        max_subscribers,
+        None,
+        "N",
+        parse_number,
+        "Most GetMetadataAsync streams open at once, over all connections."
+    ),
+    setting!(
+        outcome_key_bytes,
+        None,
+        "BYTES",
+        parse_number,
+        "Keys longer than this are kept in record outcomes cut to this size, the last 8 bytes a hash of the key."
+    ),
 ];
 
 fn parse_optional_text(text: &str) -> Result<Option<String>, String> {
@@ -1140,6 +1232,67 @@ impl Config {
         Ok(topics)
     }
 
+    /// The bounds on what clients control: each at least 1, and a record or a page of a
+    /// response must fit in half a message (the rest is room for the message's framing).
+    fn validate_limits(&self) -> Result<(), ConfigError> {
+        let positive = [
+            ("max_key_bytes", self.max_key_bytes),
+            ("max_value_bytes", self.max_value_bytes),
+            ("max_header_bytes", self.max_header_bytes),
+            ("max_records_per_produce", self.max_records_per_produce),
+            ("max_response_bytes", self.max_response_bytes),
+            ("max_concurrent_streams", self.max_concurrent_streams as usize),
+            ("max_subscribers", self.max_subscribers),
+        ];
+        for (setting, value) in positive {
+            if value == 0 {
+                return Err(ConfigError::new(setting, "must be at least 1"));
+            }
+        }
+        let half = self.max_message_bytes / 2;
+        let record = self
+            .max_key_bytes
+            .saturating_add(self.max_value_bytes)
+            .saturating_add(self.max_header_bytes);
+        if record > half {
+            return Err(ConfigError::new(
+                "max_value_bytes",
+                format!(
+                    "max_key_bytes + max_value_bytes + max_header_bytes is {record}, more than half of \
+                     max_message_bytes ({}): a record could not be read back in one message; lower them \
+                     or raise max_message_bytes",
+                    self.max_message_bytes
+                ),
+            ));
+        }
+        if self.max_response_bytes > half {
+            return Err(ConfigError::new(
+                "max_response_bytes",
+                format!(
+                    "is {} but must be at most half of max_message_bytes ({half}), which leaves room \
+                     for the framing of a page",
+                    self.max_response_bytes
+                ),
+            ));
+        }
+        if self.max_stream_threads < self.num_stream_threads || self.max_stream_threads > 4096 {
+            return Err(ConfigError::new(
+                "max_stream_threads",
+                format!(
+                    "is {} but must be at least num_stream_threads ({}) and at most 4096",
+                    self.max_stream_threads, self.num_stream_threads
+                ),
+            ));
+        }
+        if self.outcome_key_bytes < 16 {
+            return Err(ConfigError::new(
+                "outcome_key_bytes",
+                "must be at least 16 (8 bytes of the key and its 8-byte hash)",
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks every setting; the first problem found is returned.
     pub fn validate(&self) -> Result<(), ConfigError> {
         check_name("application_id", &self.application_id)?;
@@ -1178,6 +1331,7 @@ impl Config {
                 ),
             ));
         }
+        self.validate_limits()?;
         if self.retry_max_attempts == 0 {
             return Err(ConfigError::new(
                 "retry_max_attempts",

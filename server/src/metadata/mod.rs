@@ -215,11 +215,34 @@ pub struct RecordOutcome {
     /// batch's (a batch released in offset order gathers several threads' records).
     pub thread: Option<Arc<str>>,
     pub offset: u64,
+    /// The record's key, or its cut form (see [`outcome_key`]) when `key_truncated`.
     pub key: Option<Bytes>,
+    pub key_truncated: bool,
     pub timestamp_ms: i64,
     pub outcome: Outcome,
     pub attempts: u32,
+    /// At most [`MAX_OUTCOME_ERROR_BYTES`].
     pub error: Option<Arc<str>>,
+}
+
+/// Longest error text a record outcome keeps (a processor's message is cut, with `…`).
+pub const MAX_OUTCOME_ERROR_BYTES: usize = 1024;
+
+/// A key as record outcomes keep it: itself when at most `max` bytes (`false`), else its
+/// first `max - 8` bytes followed by the FNV-1a 64-bit hash of the whole key, big-endian
+/// (`true`), so distinct long keys stay apart while history stays bounded.
+pub fn outcome_key(key: &Bytes, max: usize) -> (Bytes, bool) {
+    if key.len() <= max {
+        return (key.clone(), false);
+    }
+    let keep = max.saturating_sub(8);
+    let hash = key.iter().fold(0xcbf2_9ce4_8422_2325_u64, |hash, &byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    let mut cut = Vec::with_capacity(keep + 8);
+    cut.extend_from_slice(&key[..keep]);
+    cut.extend_from_slice(&hash.to_be_bytes());
+    (Bytes::from(cut), true)
 }
 
 /// The records of one completed unit, or of one run released in offset
@@ -234,4 +257,31 @@ pub struct OutcomeBatch {
     pub first_offset: u64,
     pub last_offset: u64,
     pub records: Vec<RecordOutcome>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_keys_are_cut_with_a_hash_of_the_whole_key() {
+        let short = Bytes::from_static(b"alice");
+        assert_eq!(outcome_key(&short, 16), (short.clone(), false));
+        let a = Bytes::from(vec![b'a'; 4 << 20]);
+        let mut b = a.to_vec();
+        b[(4 << 20) - 1] = b'b';
+        let b = Bytes::from(b);
+        let (cut_a, truncated) = outcome_key(&a, 1024);
+        assert!(truncated);
+        assert_eq!(cut_a.len(), 1024);
+        assert_eq!(&cut_a[..1016], &a[..1016]);
+        let (cut_b, _) = outcome_key(&b, 1024);
+        // Same first bytes, different keys: the hash keeps them apart.
+        assert_ne!(cut_a, cut_b);
+        // FNV-1a 64 of "a" is af63dc4c8601ec8c.
+        let (one, _) = outcome_key(&Bytes::from_static(b"aa"), 9);
+        assert_eq!(&one[..1], b"a");
+        let (hash_of_a, _) = outcome_key(&Bytes::from_static(b"a"), 0);
+        assert_eq!(hash_of_a.as_ref(), 0xaf63_dc4c_8601_ec8c_u64.to_be_bytes());
+    }
 }

@@ -53,7 +53,7 @@ impl StreamsApp {
         AppBuilder::new(config)
     }
 
-    fn shared(&self) -> &Arc<Shared> {
+    pub(super) fn shared(&self) -> &Arc<Shared> {
         &self.inner.shared
     }
 
@@ -371,6 +371,18 @@ impl StreamsApp {
         shared.ensure_running()?;
         let (slot, name) = {
             let mut scheduler = shared.lock();
+            // Checked under the lock, so concurrent calls cannot pass it together.
+            let max = shared.config.max_stream_threads;
+            if scheduler.live_threads() >= max {
+                return Err(RuntimeError::limit_exceeded(
+                    "max_stream_threads",
+                    max as u64,
+                    format!(
+                        "the runtime already runs {} stream threads",
+                        scheduler.live_threads()
+                    ),
+                ));
+            }
             let slot = scheduler.add_thread();
             (slot, scheduler.threads()[slot].name().clone())
         };
@@ -664,7 +676,11 @@ fn check_partitions(shared: &Shared, pipeline: usize, partitions: &[u32]) -> Res
 
 /// The requested partitions, checked to exist and to be hosted here, sorted
 /// and without repeats; empty means every partition hosted here.
-fn hosted_partitions(shared: &Shared, pipeline: usize, partitions: &[u32]) -> Result<Vec<u32>, RuntimeError> {
+pub(super) fn hosted_partitions(
+    shared: &Shared,
+    pipeline: usize,
+    partitions: &[u32],
+) -> Result<Vec<u32>, RuntimeError> {
     check_partitions(shared, pipeline, partitions)?;
     let scheduler = shared.lock();
     if partitions.is_empty() {
@@ -690,7 +706,7 @@ fn hosted_partitions(shared: &Shared, pipeline: usize, partitions: &[u32]) -> Re
 }
 
 /// A key or range read of one hosted partition's store, with its position.
-fn read_partition(
+pub(super) fn read_partition(
     shared: &Shared,
     pipeline: usize,
     partition: u32,

@@ -25,6 +25,7 @@ mod describe;
 mod driver;
 mod error;
 mod membership;
+mod pages;
 mod process;
 mod recovery;
 mod remote_calls;
@@ -41,6 +42,7 @@ mod work;
 pub use app::StreamsApp;
 pub use builder::AppBuilder;
 pub use error::{MAX_ECHO_BYTES, RuntimeError, echo, echo_up_to};
+pub use pages::{RangePage, RangeResume, record_bytes};
 pub use shared::CommitReport;
 
 /// Milliseconds since the Unix epoch (0 if the clock is before it).

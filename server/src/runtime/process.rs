@@ -12,9 +12,10 @@ use super::shared::Shared;
 use super::work::{Gating, WorkUnit};
 use crate::config::RetryPolicy;
 use crate::log::{ProducerRecord, Record};
-use crate::metadata::{Outcome, RecordOutcome};
+use crate::metadata::{MAX_OUTCOME_ERROR_BYTES, Outcome, RecordOutcome, outcome_key};
 use crate::processor::remote::{RecordResult, Unreachable};
 use crate::processor::{Outputs, ProcessError, ProcessorContext};
+use crate::runtime::echo_up_to;
 use crate::store::{Write, WriteTag};
 use bytes::Bytes;
 use std::collections::HashSet;
@@ -40,20 +41,33 @@ pub(crate) fn now_ms() -> i64 {
 }
 
 fn outcome(
+    shared: &Shared,
     context: &UnitContext,
     record: &Record,
     outcome: Outcome,
     attempts: u32,
     error: Option<&Failure>,
 ) -> RecordOutcome {
+    // Outcomes are kept in history for streams that start in the past: what a record
+    // keeps there is bounded, whatever its key or its processor's message.
+    let (key, key_truncated) = match &record.key {
+        Some(key) => {
+            let (key, truncated) = outcome_key(key, shared.config.outcome_key_bytes);
+            (Some(key), truncated)
+        }
+        None => (None, false),
+    };
     RecordOutcome {
         thread: context.record_threads.then(|| context.thread.clone()),
         offset: record.offset,
-        key: record.key.clone(),
+        key,
+        key_truncated,
         timestamp_ms: record.timestamp_ms,
         outcome,
         attempts,
-        error: error.map(|f| Arc::from(format!("{}: {}", f.kind, f.message))),
+        error: error.map(|f| {
+            Arc::from(echo_up_to(&format!("{}: {}", f.kind, f.message), MAX_OUTCOME_ERROR_BYTES).as_ref())
+        }),
     }
 }
 
@@ -282,7 +296,14 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
                 outcomes.len(),
                 retry::failed_record(&pipeline.topic, record, &parked),
             ));
-            outcomes.push(outcome(context, record, Outcome::Retrying, 0, Some(&parked)));
+            outcomes.push(outcome(
+                shared,
+                context,
+                record,
+                Outcome::Retrying,
+                0,
+                Some(&parked),
+            ));
             continue;
         }
         let tag = if context.tag_writes {
@@ -317,7 +338,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         let error = match attempt(shared, context, record, 1, tag, &mut buffer, run) {
             Ok(outputs) => {
                 emitted.push((record.offset, outputs));
-                outcomes.push(outcome(context, record, Outcome::Processed, 1, None));
+                outcomes.push(outcome(shared, context, record, Outcome::Processed, 1, None));
                 continue;
             }
             Err(error) => error,
@@ -356,6 +377,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
             }
             if final_outcome == Outcome::Processed {
                 outcomes.push(outcome(
+                    shared,
                     context,
                     record,
                     Outcome::Processed,
@@ -366,6 +388,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
                 let dead = retry::failed_record(&pipeline.topic, record, &failure);
                 to_dead_letter.push((outcomes.len(), dead));
                 outcomes.push(outcome(
+                    shared,
                     context,
                     record,
                     Outcome::DeadLettered,
@@ -378,7 +401,14 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         if max_attempts <= 1 || !retryable {
             let dead = retry::failed_record(&pipeline.topic, record, &failure);
             to_dead_letter.push((outcomes.len(), dead));
-            outcomes.push(outcome(context, record, Outcome::DeadLettered, 1, Some(&failure)));
+            outcomes.push(outcome(
+                shared,
+                context,
+                record,
+                Outcome::DeadLettered,
+                1,
+                Some(&failure),
+            ));
             continue;
         }
         if context.gating != Gating::Off
@@ -390,7 +420,14 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
             outcomes.len(),
             retry::failed_record(&pipeline.topic, record, &failure),
         ));
-        outcomes.push(outcome(context, record, Outcome::Retrying, 1, Some(&failure)));
+        outcomes.push(outcome(
+            shared,
+            context,
+            record,
+            Outcome::Retrying,
+            1,
+            Some(&failure),
+        ));
     }
     let mut retry_keys = Vec::new();
     for (topic, entries) in [
@@ -518,6 +555,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
             Next::Untouched => false,
             Next::Processed => {
                 outcomes.push(outcome(
+                    shared,
                     context,
                     &item.record,
                     Outcome::Processed,
@@ -528,6 +566,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
             }
             Next::DeadLetter if dead_lettered => {
                 outcomes.push(outcome(
+                    shared,
                     context,
                     &item.record,
                     Outcome::DeadLettered,
@@ -541,6 +580,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
                     item.due_ms = now_ms() + shared.backoff(attempts, item.retry_offset).as_millis() as i64;
                 }
                 outcomes.push(outcome(
+                    shared,
                     context,
                     &item.record,
                     Outcome::Retrying,

@@ -302,6 +302,7 @@ fn record_metadata(record: &RecordOutcome) -> pb::RecordMetadata {
         attempts: record.attempts,
         error: record.error.as_deref().unwrap_or_default().to_string(),
         thread: record.thread.as_deref().unwrap_or_default().to_string(),
+        key_truncated: record.key_truncated,
     }
 }
 
@@ -367,6 +368,7 @@ mod tests {
                     thread: None,
                     offset,
                     key: (offset % 2 == 0).then(|| Bytes::from(format!("k{offset}"))),
+                    key_truncated: false,
                     timestamp_ms: 1_000 + offset as i64,
                     outcome: if offset == first + 1 {
                         Outcome::DeadLettered

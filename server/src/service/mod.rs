@@ -112,9 +112,11 @@ pub async fn serve(
     // Both directions: a request over it is refused, a response over it fails rather
     // than hold the whole of it in memory at once.
     let max_message = app.config().max_message_bytes;
+    let max_streams = app.config().max_concurrent_streams;
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let mut server = pin!(
         Server::builder()
+            .max_concurrent_streams(max_streams)
             // Telemetry outside, so it counts the codes clients see.
             .layer(RpcTelemetryLayer)
             .layer(WireStatusLayer)

@@ -3,7 +3,9 @@
 //! into runtime arguments. Every rejection is `RuntimeError::InvalidArgument`
 //! naming the request field, so it reaches the client as a BadRequest violation.
 
+use crate::config::Config;
 use crate::log::ProducerRecord;
+use crate::runtime::RangeResume;
 use crate::runtime::{EndAt, StartAt, SubscribeRequest};
 use crate::runtime::{MAX_ECHO_BYTES, RuntimeError, echo};
 use std::collections::{BTreeMap, HashMap};
@@ -169,6 +171,8 @@ pub enum StoreQuery {
         partitions: Vec<u32>,
         /// 0 = no limit.
         limit: usize,
+        /// Where this page starts (from a page token); `None`: the first page.
+        resume: Option<RangeResume>,
     },
 }
 
@@ -184,7 +188,15 @@ pub fn store_query(request: pb::QueryRequest) -> Result<(String, StoreQuery), Ru
         // A key lives in exactly one partition, so `partitions` and `limit`
         // have nothing to narrow for a key query.
         // The empty key is a key (as in Kafka), so every key is well formed.
-        Some(pb::query_request::Query::Key(key)) => StoreQuery::Key(key.key),
+        Some(pb::query_request::Query::Key(key)) => {
+            if !request.page_token.is_empty() {
+                return Err(RuntimeError::invalid_argument(
+                    "page_token",
+                    "a key query has one answer and no pages; leave page_token empty",
+                ));
+            }
+            StoreQuery::Key(key.key)
+        }
         Some(pb::query_request::Query::Range(range)) => {
             if let (Some(from), Some(to)) = (&range.from, &range.to)
                 && from > to
@@ -199,25 +211,96 @@ pub fn store_query(request: pb::QueryRequest) -> Result<(String, StoreQuery), Ru
                 to: range.to,
                 partitions: request.partitions,
                 limit: request.limit as usize,
+                resume: parse_page_token(&request.page_token)?,
             }
         }
     };
     Ok((request.store, query))
 }
 
-/// Checks the topic and turns each proto record into a runtime record.
-pub fn produce_batch(request: pb::ProduceRequest) -> Result<(String, Vec<ProducerRecord>), RuntimeError> {
+/// The bounds a Produce request keeps (settings of the same names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProduceLimits {
+    pub max_records: usize,
+    pub max_key_bytes: usize,
+    pub max_value_bytes: usize,
+    pub max_header_bytes: usize,
+}
+
+impl ProduceLimits {
+    pub fn of(config: &Config) -> Self {
+        ProduceLimits {
+            max_records: config.max_records_per_produce,
+            max_key_bytes: config.max_key_bytes,
+            max_value_bytes: config.max_value_bytes,
+            max_header_bytes: config.max_header_bytes,
+        }
+    }
+}
+
+/// Checks the topic, the limits, and turns each proto record into a runtime record.
+pub fn produce_batch(
+    request: pb::ProduceRequest,
+    limits: ProduceLimits,
+) -> Result<(String, Vec<ProducerRecord>), RuntimeError> {
     check_name("topic", &request.topic)?;
+    if request.records.len() > limits.max_records {
+        return Err(RuntimeError::limit_exceeded(
+            "max_records_per_produce",
+            limits.max_records as u64,
+            format!(
+                "the request holds {} records; send them in several requests",
+                request.records.len()
+            ),
+        ));
+    }
     let records = request
         .records
         .into_iter()
         .enumerate()
-        .map(|(i, record)| producer_record(i, record))
+        .map(|(i, record)| producer_record(i, record, limits))
         .collect::<Result<Vec<_>, _>>()?;
     Ok((request.topic, records))
 }
 
-fn producer_record(index: usize, record: pb::ProducerRecord) -> Result<ProducerRecord, RuntimeError> {
+fn producer_record(
+    index: usize,
+    record: pb::ProducerRecord,
+    limits: ProduceLimits,
+) -> Result<ProducerRecord, RuntimeError> {
+    let over = |field: &str, setting: &str, size: usize, limit: usize| {
+        RuntimeError::limit_exceeded(
+            setting,
+            limit as u64,
+            format!("records[{index}].{field} is {size} bytes"),
+        )
+    };
+    if let Some(key) = &record.key
+        && key.len() > limits.max_key_bytes
+    {
+        return Err(over("key", "max_key_bytes", key.len(), limits.max_key_bytes));
+    }
+    if record.value.len() > limits.max_value_bytes {
+        return Err(over(
+            "value",
+            "max_value_bytes",
+            record.value.len(),
+            limits.max_value_bytes,
+        ));
+    }
+    let header_bytes: usize = record
+        .headers
+        .iter()
+        .map(|(name, value)| name.len() + value.len())
+        .sum();
+    if header_bytes > limits.max_header_bytes {
+        return Err(over(
+            "headers",
+            "max_header_bytes",
+            header_bytes,
+            limits.max_header_bytes,
+        ));
+    }
     let timestamp_ms = match record.timestamp_ms {
         0 => None,
         t if t < 0 => {
@@ -238,6 +321,39 @@ fn producer_record(index: usize, record: pb::ProducerRecord) -> Result<ProducerR
         timestamp_ms,
         headers,
     })
+}
+
+/// A range Query page token: a version byte, the partition to resume (big-endian) and the
+/// key to resume from (inclusive). Opaque to clients.
+const PAGE_TOKEN_VERSION: u8 = 1;
+
+pub fn page_token(resume: &RangeResume) -> bytes::Bytes {
+    let mut token = Vec::with_capacity(5 + resume.key.len());
+    token.push(PAGE_TOKEN_VERSION);
+    token.extend_from_slice(&resume.partition.to_be_bytes());
+    token.extend_from_slice(&resume.key);
+    bytes::Bytes::from(token)
+}
+
+fn parse_page_token(token: &bytes::Bytes) -> Result<Option<RangeResume>, RuntimeError> {
+    if token.is_empty() {
+        return Ok(None);
+    }
+    match token.split_first() {
+        Some((&PAGE_TOKEN_VERSION, rest)) if rest.len() >= 4 => {
+            let (partition, _) = rest.split_at(4);
+            let partition = u32::from_be_bytes([partition[0], partition[1], partition[2], partition[3]]);
+            Ok(Some(RangeResume {
+                partition,
+                key: token.slice(5..),
+            }))
+        }
+        _ => Err(RuntimeError::invalid_argument(
+            "page_token",
+            "is not a token this server gave; pass next_page_token of the previous answer as it is, \
+             or leave it empty for the first page",
+        )),
+    }
 }
 
 /// A ReadTopic request as the runtime takes it.
@@ -468,8 +584,25 @@ mod tests {
                 to: Some(Bytes::from_static(b"m")),
                 partitions: vec![1],
                 limit: 5,
+                resume: None,
             }
         );
+        let resume = RangeResume {
+            partition: 4,
+            key: Bytes::from_static(b"next"),
+        };
+        let page = store_query(pb::QueryRequest {
+            page_token: page_token(&resume),
+            ..range(None, None)
+        })
+        .unwrap();
+        assert!(matches!(page.1, StoreQuery::Range { resume: Some(r), .. } if r == resume));
+        let error = store_query(pb::QueryRequest {
+            page_token: Bytes::from_static(b"forged"),
+            ..range(None, None)
+        })
+        .unwrap_err();
+        assert_eq!(field_of(error), "page_token");
 
         let error = store_query(pb::QueryRequest {
             store: String::new(),
@@ -479,43 +612,99 @@ mod tests {
         assert_eq!(field_of(error), "store");
     }
 
+    fn limits() -> ProduceLimits {
+        ProduceLimits::of(&Config::default())
+    }
+
+    #[test]
+    fn produce_limits_name_their_setting() {
+        let small = ProduceLimits {
+            max_records: 2,
+            max_key_bytes: 4,
+            max_value_bytes: 8,
+            max_header_bytes: 6,
+        };
+        let record = |key: &'static [u8], value: &'static [u8], header: &'static [u8]| pb::ProducerRecord {
+            key: Some(Bytes::from_static(key)),
+            value: Bytes::from_static(value),
+            headers: HashMap::from([("h".to_string(), Bytes::from_static(header))]),
+            ..Default::default()
+        };
+        let produce = |records| {
+            produce_batch(
+                pb::ProduceRequest {
+                    topic: "events".into(),
+                    records,
+                },
+                small,
+            )
+        };
+        let setting_of = |error: RuntimeError| match error {
+            RuntimeError::LimitExceeded { setting, .. } => setting,
+            other => panic!("expected LimitExceeded, got {other:?}"),
+        };
+        produce(vec![record(b"kkkk", b"vvvvvvvv", b"hhhhh")]).unwrap();
+        assert_eq!(
+            setting_of(produce(vec![record(b"k", b"v", b"h"); 3]).unwrap_err()),
+            "max_records_per_produce"
+        );
+        assert_eq!(
+            setting_of(produce(vec![record(b"kkkkk", b"v", b"h")]).unwrap_err()),
+            "max_key_bytes"
+        );
+        assert_eq!(
+            setting_of(produce(vec![record(b"k", b"vvvvvvvvv", b"h")]).unwrap_err()),
+            "max_value_bytes"
+        );
+        assert_eq!(
+            setting_of(produce(vec![record(b"k", b"v", b"hhhhhh")]).unwrap_err()),
+            "max_header_bytes"
+        );
+    }
+
     #[test]
     fn produce_checks_topic_and_timestamps() {
-        let error = produce_batch(pb::ProduceRequest::default()).unwrap_err();
+        let error = produce_batch(pb::ProduceRequest::default(), limits()).unwrap_err();
         assert_eq!(field_of(error), "topic");
 
-        let error = produce_batch(pb::ProduceRequest {
-            topic: "events".into(),
-            records: vec![
-                pb::ProducerRecord::default(),
-                pb::ProducerRecord {
-                    timestamp_ms: -5,
-                    ..Default::default()
-                },
-            ],
-        })
+        let error = produce_batch(
+            pb::ProduceRequest {
+                topic: "events".into(),
+                records: vec![
+                    pb::ProducerRecord::default(),
+                    pb::ProducerRecord {
+                        timestamp_ms: -5,
+                        ..Default::default()
+                    },
+                ],
+            },
+            limits(),
+        )
         .unwrap_err();
         assert_eq!(field_of(error), "records[1].timestamp_ms");
 
-        let (topic, records) = produce_batch(pb::ProduceRequest {
-            topic: "events".into(),
-            records: vec![
-                pb::ProducerRecord {
-                    key: Some(Bytes::from_static(b"k")),
-                    value: Bytes::from_static(b"v"),
-                    partition: Some(3),
-                    timestamp_ms: 1_700_000_000_000,
-                    headers: HashMap::from([
-                        ("b".to_string(), Bytes::from_static(b"2")),
-                        ("a".to_string(), Bytes::from_static(b"1")),
-                    ]),
-                },
-                pb::ProducerRecord {
-                    value: Bytes::from_static(b"w"),
-                    ..Default::default()
-                },
-            ],
-        })
+        let (topic, records) = produce_batch(
+            pb::ProduceRequest {
+                topic: "events".into(),
+                records: vec![
+                    pb::ProducerRecord {
+                        key: Some(Bytes::from_static(b"k")),
+                        value: Bytes::from_static(b"v"),
+                        partition: Some(3),
+                        timestamp_ms: 1_700_000_000_000,
+                        headers: HashMap::from([
+                            ("b".to_string(), Bytes::from_static(b"2")),
+                            ("a".to_string(), Bytes::from_static(b"1")),
+                        ]),
+                    },
+                    pb::ProducerRecord {
+                        value: Bytes::from_static(b"w"),
+                        ..Default::default()
+                    },
+                ],
+            },
+            limits(),
+        )
         .unwrap();
         assert_eq!(topic, "events");
         assert_eq!(

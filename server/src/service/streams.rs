@@ -6,9 +6,11 @@ use super::convert::{self, PartitionRanges};
 use super::outcomes::{self, PumpSettings, STREAM_CHANNEL_CAPACITY, StreamItem};
 use super::request::{self, StoreQuery};
 use super::status::to_status;
-use crate::runtime::{RuntimeError, StreamsApp};
+use crate::runtime::{RangePage, RuntimeError, StreamsApp};
+use std::sync::Arc;
 use taskstream::v1 as pb;
 use taskstream::v1::streams_service_server::StreamsService;
+use tokio::sync::Semaphore;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::ReceiverStream;
@@ -18,11 +20,18 @@ use tonic::{Request, Response, Status, Streaming};
 #[derive(Clone)]
 pub struct StreamsHandler {
     app: StreamsApp,
+    /// One permit per open GetMetadataAsync stream (`max_subscribers`), held by its pump.
+    subscribers: Arc<Semaphore>,
 }
 
 impl StreamsHandler {
     pub fn new(app: StreamsApp) -> Self {
-        StreamsHandler { app }
+        let subscribers = Arc::new(Semaphore::new(app.config().max_subscribers));
+        StreamsHandler { app, subscribers }
+    }
+
+    fn produce_limits(&self) -> request::ProduceLimits {
+        request::ProduceLimits::of(self.app.config())
     }
 }
 
@@ -48,6 +57,14 @@ impl StreamsService for StreamsHandler {
         request: Request<pb::GetMetadataAsyncRequest>,
     ) -> Result<Response<Self::GetMetadataAsyncStream>, Status> {
         let stream = request::metadata_stream(request.into_inner()).map_err(to_status)?;
+        let max = self.app.config().max_subscribers;
+        let permit = Arc::clone(&self.subscribers).try_acquire_owned().map_err(|_| {
+            to_status(RuntimeError::limit_exceeded(
+                "max_subscribers",
+                max as u64,
+                format!("the server already serves {max} GetMetadataAsync streams; close one or retry later"),
+            ))
+        })?;
         // Subscribing first means a refused request (in_order, unknown store,
         // offsets out of range) fails the call itself, before any message.
         let subscription = self
@@ -63,7 +80,10 @@ impl StreamsService for StreamsHandler {
         };
         tracing::debug!(store = %settings.store, "GetMetadataAsync stream opened");
         let (tx, rx) = mpsc::channel(STREAM_CHANNEL_CAPACITY);
-        tokio::spawn(outcomes::pump(subscription, tx, settings));
+        tokio::spawn(async move {
+            outcomes::pump(subscription, tx, settings).await;
+            drop(permit);
+        });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
@@ -85,19 +105,33 @@ impl StreamsService for StreamsHandler {
         let app = self.app.clone();
         let name = store.clone();
         // A persistent store is read from disk: off the async workers.
-        let results = blocking(move || match query {
-            StoreQuery::Key(key) => Ok(vec![app.query_key(&name, &key)?]),
+        let max_bytes = self.app.config().max_response_bytes;
+        let page = blocking(move || match query {
+            StoreQuery::Key(key) => Ok(RangePage {
+                results: vec![app.query_key(&name, &key)?],
+                next: None,
+            }),
             StoreQuery::Range {
                 from,
                 to,
                 partitions,
                 limit,
-            } => app.query_range(&name, from.as_deref(), to.as_deref(), &partitions, limit),
+                resume,
+            } => app.query_range_page(
+                &name,
+                from.as_deref(),
+                to.as_deref(),
+                &partitions,
+                limit,
+                max_bytes,
+                resume.as_ref(),
+            ),
         })
         .await?;
         Ok(Response::new(pb::QueryResponse {
             store,
-            results: results.into_iter().map(convert::partition_result).collect(),
+            results: page.results.into_iter().map(convert::partition_result).collect(),
+            next_page_token: page.next.as_ref().map(request::page_token).unwrap_or_default(),
         }))
     }
 
@@ -105,7 +139,8 @@ impl StreamsService for StreamsHandler {
         &self,
         request: Request<pb::ProduceRequest>,
     ) -> Result<Response<pb::ProduceResponse>, Status> {
-        let (topic, records) = request::produce_batch(request.into_inner()).map_err(to_status)?;
+        let (topic, records) =
+            request::produce_batch(request.into_inner(), self.produce_limits()).map_err(to_status)?;
         let app = self.app.clone();
         let name = topic.clone();
         // A durable log answers once the records are on disk: off the async workers.
@@ -133,7 +168,9 @@ impl StreamsService for StreamsHandler {
         let app = self.app.clone();
         let name = topic.clone();
         // A durable log is read from disk: off the async workers.
-        let read = blocking(move || app.read_topic(&name, partition, offset, max_records)).await?;
+        let max_bytes = self.app.config().max_response_bytes;
+        let read =
+            blocking(move || app.read_topic_page(&name, partition, offset, max_records, max_bytes)).await?;
         Ok(Response::new(convert::topic_read(topic, partition, read)))
     }
 
@@ -149,7 +186,8 @@ impl StreamsService for StreamsHandler {
         let mut ranges = PartitionRanges::default();
         let mut index = 0usize;
         while let Some(batch) = batches.next().await {
-            let (batch_topic, records) = request::produce_batch(batch?).map_err(to_status)?;
+            let (batch_topic, records) =
+                request::produce_batch(batch?, self.produce_limits()).map_err(to_status)?;
             match &topic {
                 None => topic = Some(batch_topic.clone()),
                 Some(first) if *first != batch_topic => {

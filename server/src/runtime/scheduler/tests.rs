@@ -77,6 +77,7 @@ fn processed(context: &UnitContext, records: &[Record]) -> Vec<RecordOutcome> {
             thread: context.record_threads.then(|| context.thread.clone()),
             offset: r.offset,
             key: r.key.clone(),
+            key_truncated: false,
             timestamp_ms: r.timestamp_ms,
             outcome: Outcome::Processed,
             attempts: 1,
