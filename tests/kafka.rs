@@ -1,7 +1,9 @@
 //! taskstream on Apache Kafka, end to end: the server binary started with
 //! `--bootstrap-servers` against a real broker (tests/common/kafka.rs), records
 //! through the gRPC Produce, counts through Query, the topics in Kafka, and the
-//! watermarks committed to the group's offsets at SIGTERM.
+//! watermarks committed to the group's offsets at SIGTERM; instances of one
+//! application sharing partitions, and stores following their partitions
+//! through the changelog.
 
 mod common;
 
@@ -365,4 +367,101 @@ fn two_instances_share_partitions_with_the_kip848_protocol() {
 #[test]
 fn two_instances_share_partitions_with_the_classic_protocol() {
     two_instances_share_partitions(taskstream_server::GroupProtocol::Classic);
+}
+
+/// State moves with its partition: one instance counts into persistent
+/// stores; a second one with an empty data dir takes every partition over
+/// and answers the same counts, restored from the changelog (the group's
+/// offsets are at the end, so nothing is processed again); the first one,
+/// back with its older copy, restores only what the changelog gained since.
+#[test]
+fn a_fresh_instance_restores_the_stores_from_the_changelog() {
+    use taskstream_server::{ProducerRecord, StreamsApp};
+    let Some(broker) = broker() else { return };
+    let application = unique("changelog");
+    let topic = format!("{application}-events");
+    let mut config = group_config(
+        broker,
+        &application,
+        &topic,
+        4,
+        taskstream_server::GroupProtocol::Consumer,
+    );
+    let first_dir = taskstream_server::scratch::scratch_dir("kafka-changelog-a").expect("a scratch dir");
+    let second_dir = taskstream_server::scratch::scratch_dir("kafka-changelog-b").expect("a scratch dir");
+    config.data_dir = Some(first_dir.path().to_path_buf());
+    let mut expected: BTreeMap<String, u64> = BTreeMap::new();
+    let produce = |app: &StreamsApp, round: usize, expected: &mut BTreeMap<String, u64>| {
+        let records: Vec<ProducerRecord> = (0..500)
+            .map(|i| {
+                let key = format!("key-{}", (i * 11 + round) % 53);
+                *expected.entry(key.clone()).or_default() += 1;
+                ProducerRecord::keyed(key, "1")
+            })
+            .collect();
+        app.produce(&topic, records).expect("produce");
+    };
+    let counts = |app: &StreamsApp| -> BTreeMap<String, u64> {
+        let Ok(results) = app.query_range("counts", None, None, &[], 0) else {
+            return BTreeMap::new();
+        };
+        results
+            .into_iter()
+            .flat_map(|result| result.entries)
+            .map(|(key, value)| {
+                let count: u64 = String::from_utf8_lossy(&value).parse().unwrap();
+                (String::from_utf8_lossy(&key).into_owned(), count)
+            })
+            .collect()
+    };
+
+    let first = StreamsApp::builder(config.clone())
+        .start()
+        .expect("start the first instance");
+    eventually("the first instance hosts all 4 partitions", || {
+        first.hosted_partitions("counts").unwrap().len() == 4
+    });
+    produce(&first, 0, &mut expected);
+    produce(&first, 1, &mut expected);
+    eventually("the first instance counts everything", || {
+        counts(&first) == expected
+    });
+    first.shutdown().expect("the first instance commits as it leaves");
+
+    // The changelog: compacted (see the KafkaLog test), one partition per task.
+    let log = taskstream_server::log::KafkaLog::with_settings(&broker.bootstrap, &BTreeMap::new(), 1)
+        .expect("connect to the broker");
+    use taskstream_server::Log as _;
+    let changelog = format!("{application}-counts-changelog");
+    assert_eq!(log.partitions(&changelog).unwrap(), 4);
+    let records: u64 = (0..4).map(|p| log.end_offset(&changelog, p).unwrap()).sum();
+    assert!(records > 0, "the changelog holds the stores' writes");
+
+    let mut fresh = config.clone();
+    fresh.data_dir = Some(second_dir.path().to_path_buf());
+    let second = StreamsApp::builder(fresh)
+        .start()
+        .expect("start the second instance");
+    eventually("the second instance hosts all 4 partitions", || {
+        second.hosted_partitions("counts").unwrap().len() == 4
+    });
+    eventually("the second instance answers the same counts", || {
+        counts(&second) == expected
+    });
+    assert_eq!(second.state(), taskstream_server::AppState::Running);
+    produce(&second, 2, &mut expected);
+    eventually("the second instance counts the new records", || {
+        counts(&second) == expected
+    });
+    second
+        .shutdown()
+        .expect("the second instance commits as it leaves");
+
+    let first = StreamsApp::builder(config)
+        .start()
+        .expect("restart the first instance");
+    eventually("the first instance, restored, answers every count", || {
+        counts(&first) == expected
+    });
+    first.shutdown().expect("shutdown");
 }

@@ -1187,6 +1187,13 @@ impl Config {
         format!("{}-{pipeline}-dlq", self.application_id)
     }
 
+    /// The changelog topic of a pipeline's store on Kafka (Kafka Streams'
+    /// layout; the store is named after its pipeline):
+    /// `<application_id>-<store>-changelog`.
+    pub fn changelog_topic(&self, store: &str) -> String {
+        format!("{}-{store}-changelog", self.application_id)
+    }
+
     /// The largest T of any pipeline: N must be at least this.
     pub fn max_threads_per_task(&self) -> usize {
         self.pipelines

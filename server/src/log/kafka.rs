@@ -47,6 +47,10 @@
 //!   does a group assignment. A control event (a barrier at each assignment or
 //!   seek) can fire it as well: an empty read follows, harmless, and it keeps
 //!   the queue drained.
+//! - Beyond the trait, a store's changelog: `append_changelog` writes a
+//!   store's writes with deletes as tombstones (null values, which the trait's
+//!   records cannot carry), `read_changelog` reads them back the same way, and
+//!   `latest_end_offset` asks the leader rather than a cache.
 //! - `enforce_retention` is a no-op that answers the start offset: Kafka's
 //!   own retention (`retention.ms`, `retention.bytes` of the topic) applies.
 
@@ -918,90 +922,14 @@ impl Log for KafkaLog {
             // The cluster may know more partitions than the cache.
             self.check_partition(topic, bad)?;
         }
-        if records.is_empty() {
-            return Ok(Vec::new());
-        }
-        let batch = Arc::new(Batch::new(records.len()));
-        let mut sent = 0;
-        let mut send_error = None;
-        for (index, record) in records.iter().enumerate() {
-            let partition = match (record.partition, &record.key) {
-                (Some(p), _) => Some(p),
-                // librdkafka's murmur2_random: Kafka's Java default for keys.
-                (None, Some(_)) => None,
-                (None, None) => Some(self.next_round_robin(topic, partitions)),
-            };
-            let mut headers = OwnedHeaders::new_with_capacity(record.headers.len());
-            for (name, value) in &record.headers {
-                headers = headers.insert(Header {
-                    key: name,
-                    value: Some(&value[..]),
-                });
-            }
-            let mut message = BaseRecord::with_opaque_to(
-                topic,
-                Box::new(Delivery {
-                    batch: batch.clone(),
-                    index,
-                }),
-            )
-            .payload(&record.value[..])
-            .headers(headers);
-            if let Some(key) = &record.key {
-                message = message.key(&key[..]);
-            }
-            if let Some(partition) = partition {
-                message = message.partition(partition as i32);
-            }
-            if let Some(timestamp) = record.timestamp_ms {
-                message = message.timestamp(timestamp);
-            }
-            // A full local queue drains as deliveries complete: wait for some.
-            let deadline = Instant::now() + REQUEST_TIMEOUT;
-            let outcome = loop {
-                match self.producer.send(message) {
-                    Ok(()) => break Ok(()),
-                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
-                        if Instant::now() < deadline =>
-                    {
-                        message = back;
-                        batch.wait_for_progress(Duration::from_millis(10));
-                    }
-                    Err((e, _)) => break Err(e),
-                }
-            };
-            match outcome {
-                Ok(()) => sent += 1,
-                Err(e) => {
-                    send_error = Some(LogError::Unavailable(format!("cannot send to `{topic}`: {e}")));
-                    break;
-                }
-            }
-        }
-        let result = batch.wait(sent);
-        let delivered = match (&result, send_error) {
-            (_, Some(error)) => Err(error),
-            (Ok(positions), None) => Ok(positions.clone()),
-            (Err(e), None) => Err(e.clone()),
-        };
-        // Whatever was delivered moved the end, even when the batch failed.
-        let landed: Vec<RecordPosition> = match &result {
-            Ok(positions) => positions.clone(),
-            Err(_) => batch.delivered_positions(),
-        };
-        let mut touched = HashSet::new();
-        {
-            let mut ends = self.appended_end.lock().unwrap_or_else(|e| e.into_inner());
-            for position in &landed {
-                let end = ends.entry((topic.to_string(), position.partition)).or_insert(0);
-                *end = (*end).max(position.offset + 1);
-                touched.insert(position.partition);
-            }
-        }
-        for partition in touched {
-            self.notify(topic, partition);
-        }
-        delivered
+        let outgoing = records.iter().map(|record| Outgoing {
+            key: record.key.as_deref(),
+            value: Some(&record.value[..]),
+            partition: record.partition,
+            timestamp_ms: record.timestamp_ms,
+            headers: &record.headers,
+        });
+        self.send(topic, partitions, outgoing.collect())
     }
 
     fn read(
@@ -1012,99 +940,9 @@ impl Log for KafkaLog {
         max: usize,
         out: &mut Vec<Record>,
     ) -> Result<(), LogError> {
-        self.check_partition(topic, partition)?;
-        if max == 0 {
-            return Ok(());
-        }
-        // Before the partition is assigned: a fetcher started past the end
-        // would stop on an out-of-range error.
-        let end = self.end_offset(topic, partition)?;
-        if offset > end {
-            return Ok(());
-        }
-        let slot = self.partition_reader(topic, partition, offset)?;
-        let mut guard = slot.lock();
-        if guard.pending {
-            // The group is assigning the partition right now (the rebalance
-            // callback adds its tasks, then assigns it): a moment's wait.
-            let (waited, _) = slot
-                .assigned
-                .wait_timeout_while(guard, FETCH_WAIT, |r| r.pending)
-                .unwrap_or_else(|e| e.into_inner());
-            guard = waited;
-            if guard.pending {
-                return Err(LogError::Unavailable(format!(
-                    "{topic}-{partition} was not assigned within {FETCH_WAIT:?}"
-                )));
-            }
-        }
-        // A plain reference, so the queue and the position borrow apart.
-        let reader: &mut PartitionReader = &mut guard;
-        // At the end the reader still stands at `offset`, so that records
-        // appended there fill the queue and fire its callback.
-        if reader.next != offset {
-            self.seek(reader, offset)?;
-        }
-        // Wait for records the end offset promises; at the end, only take what
-        // is queued. Either way the queue is served, which also consumes
-        // librdkafka's control events: its callback fires only when the queue
-        // goes from empty to non-empty, so nothing may linger there.
-        let promised = offset < end;
-        let first_len = out.len();
-        let deadline = Instant::now() + FETCH_WAIT;
-        while out.len() - first_len < max {
-            // Wait only for the first record; then take what is already here.
-            let wait = if promised && out.len() == first_len {
-                deadline.saturating_duration_since(Instant::now())
-            } else {
-                Duration::ZERO
-            };
-            match reader.queue.poll(wait) {
-                Some(Ok(message)) => {
-                    let message_offset = message.offset().max(0) as u64;
-                    if message_offset < offset {
-                        // Left over from before a seek.
-                        continue;
-                    }
-                    reader.next = message_offset + 1;
-                    out.push(to_record(&message, partition));
-                }
-                // With `auto.offset.reset = error` an offset the broker no
-                // longer has stops the fetcher and arrives here.
-                Some(Err(KafkaError::MessageConsumption(
-                    code @ (RDKafkaErrorCode::OffsetOutOfRange | RDKafkaErrorCode::AutoOffsetReset),
-                ))) => {
-                    // The fetcher stopped; the next read seeks.
-                    reader.next = u64::MAX;
-                    let (earliest, _) = self.watermarks(topic, partition)?;
-                    if offset < earliest {
-                        return Err(LogError::OffsetOutOfRange {
-                            topic: topic.to_string(),
-                            partition,
-                            requested: offset,
-                            earliest,
-                        });
-                    }
-                    return Err(LogError::Unavailable(format!(
-                        "reading {topic}-{partition} from {offset}: {code}"
-                    )));
-                }
-                Some(Err(e)) => {
-                    if out.len() > first_len {
-                        break;
-                    }
-                    return Err(LogError::Unavailable(format!("reading {topic}-{partition}: {e}")));
-                }
-                None if promised && out.len() == first_len && Instant::now() < deadline => {}
-                None if promised && out.len() == first_len => {
-                    return Err(LogError::Unavailable(format!(
-                        "{topic}-{partition} holds offsets up to {end} but none arrived from {offset} within {FETCH_WAIT:?}"
-                    )));
-                }
-                None => break,
-            }
-        }
-        Ok(())
+        self.read_messages(topic, partition, offset, max, &mut |message| {
+            out.push(to_record(message, partition));
+        })
     }
 
     fn end_offset(&self, topic: &str, partition: u32) -> Result<u64, LogError> {
@@ -1189,6 +1027,264 @@ impl Log for KafkaLog {
 }
 
 impl KafkaLog {
+    /// Sends `records` to `topic` (of `partitions` partitions) and waits for
+    /// their delivery reports, which carry the offsets. See the module doc.
+    fn send(
+        &self,
+        topic: &str,
+        partitions: u32,
+        records: Vec<Outgoing<'_>>,
+    ) -> Result<Vec<RecordPosition>, LogError> {
+        if records.is_empty() {
+            return Ok(Vec::new());
+        }
+        let batch = Arc::new(Batch::new(records.len()));
+        let mut sent = 0;
+        let mut send_error = None;
+        for (index, record) in records.iter().enumerate() {
+            let partition = match (record.partition, &record.key) {
+                (Some(p), _) => Some(p),
+                // librdkafka's murmur2_random: Kafka's Java default for keys.
+                (None, Some(_)) => None,
+                (None, None) => Some(self.next_round_robin(topic, partitions)),
+            };
+            let mut headers = OwnedHeaders::new_with_capacity(record.headers.len());
+            for (name, value) in record.headers {
+                headers = headers.insert(Header {
+                    key: name,
+                    value: Some(&value[..]),
+                });
+            }
+            let mut message = BaseRecord::with_opaque_to(
+                topic,
+                Box::new(Delivery {
+                    batch: batch.clone(),
+                    index,
+                }),
+            )
+            .headers(headers);
+            if let Some(value) = record.value {
+                message = message.payload(value);
+            }
+            if let Some(key) = record.key {
+                message = message.key(key);
+            }
+            if let Some(partition) = partition {
+                message = message.partition(partition as i32);
+            }
+            if let Some(timestamp) = record.timestamp_ms {
+                message = message.timestamp(timestamp);
+            }
+            // A full local queue drains as deliveries complete: wait for some.
+            let deadline = Instant::now() + REQUEST_TIMEOUT;
+            let outcome = loop {
+                match self.producer.send(message) {
+                    Ok(()) => break Ok(()),
+                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
+                        if Instant::now() < deadline =>
+                    {
+                        message = back;
+                        batch.wait_for_progress(Duration::from_millis(10));
+                    }
+                    Err((e, _)) => break Err(e),
+                }
+            };
+            match outcome {
+                Ok(()) => sent += 1,
+                Err(e) => {
+                    send_error = Some(LogError::Unavailable(format!("cannot send to `{topic}`: {e}")));
+                    break;
+                }
+            }
+        }
+        let result = batch.wait(sent);
+        let delivered = match (&result, send_error) {
+            (_, Some(error)) => Err(error),
+            (Ok(positions), None) => Ok(positions.clone()),
+            (Err(e), None) => Err(e.clone()),
+        };
+        // Whatever was delivered moved the end, even when the batch failed.
+        let landed: Vec<RecordPosition> = match &result {
+            Ok(positions) => positions.clone(),
+            Err(_) => batch.delivered_positions(),
+        };
+        let mut touched = HashSet::new();
+        {
+            let mut ends = self.appended_end.lock().unwrap_or_else(|e| e.into_inner());
+            for position in &landed {
+                let end = ends.entry((topic.to_string(), position.partition)).or_insert(0);
+                *end = (*end).max(position.offset + 1);
+                touched.insert(position.partition);
+            }
+        }
+        for partition in touched {
+            self.notify(topic, partition);
+        }
+        delivered
+    }
+
+    /// Appends a store's writes to partition `partition` of its changelog
+    /// topic, in order: a value as the record's value, a delete as a
+    /// tombstone (a null value, which compaction removes with the key). Waits
+    /// until they are durable; answers the offset after the last, `None`
+    /// when there was nothing to send.
+    pub fn append_changelog(
+        &self,
+        topic: &str,
+        partition: u32,
+        writes: &[(Bytes, Option<Bytes>)],
+    ) -> Result<Option<u64>, LogError> {
+        let partitions = self.check_partition(topic, partition)?;
+        let outgoing: Vec<Outgoing<'_>> = writes
+            .iter()
+            .map(|(key, value)| Outgoing {
+                key: Some(&key[..]),
+                value: value.as_deref(),
+                partition: Some(partition),
+                timestamp_ms: None,
+                headers: &[],
+            })
+            .collect();
+        let positions = self.send(topic, partitions, outgoing)?;
+        Ok(positions.iter().map(|p| p.offset + 1).max())
+    }
+
+    /// Up to `max` records of a changelog partition from `offset`, as the
+    /// store writes they stand for (a tombstone: a delete), each with its
+    /// offset. Offsets have gaps where compaction removed records. Like
+    /// `read`, through the reader consumer (never the group).
+    pub fn read_changelog(
+        &self,
+        topic: &str,
+        partition: u32,
+        offset: u64,
+        max: usize,
+        out: &mut Vec<(u64, (Bytes, Option<Bytes>))>,
+    ) -> Result<(), LogError> {
+        self.read_messages(topic, partition, offset, max, &mut |message| {
+            let key = Bytes::copy_from_slice(message.key().unwrap_or_default());
+            let value = message.payload().map(Bytes::copy_from_slice);
+            out.push((message.offset().max(0) as u64, (key, value)));
+        })
+    }
+
+    /// The end offset of a partition as its leader says now (not a cached
+    /// one): where a restore must read up to, since another instance may
+    /// have written the partition a moment ago.
+    pub fn latest_end_offset(&self, topic: &str, partition: u32) -> Result<u64, LogError> {
+        self.check_partition(topic, partition)?;
+        Ok(self
+            .watermarks(topic, partition)?
+            .1
+            .max(self.appended_end(topic, partition)))
+    }
+
+    /// Serves `read` and `read_changelog`: hands up to `max` messages of the
+    /// partition from `offset` to `take`. See the module doc.
+    fn read_messages(
+        &self,
+        topic: &str,
+        partition: u32,
+        offset: u64,
+        max: usize,
+        take: &mut dyn FnMut(&BorrowedMessage<'_>),
+    ) -> Result<(), LogError> {
+        self.check_partition(topic, partition)?;
+        if max == 0 {
+            return Ok(());
+        }
+        // Before the partition is assigned: a fetcher started past the end
+        // would stop on an out-of-range error.
+        let end = self.end_offset(topic, partition)?;
+        if offset > end {
+            return Ok(());
+        }
+        let slot = self.partition_reader(topic, partition, offset)?;
+        let mut guard = slot.lock();
+        if guard.pending {
+            // The group is assigning the partition right now (the rebalance
+            // callback adds its tasks, then assigns it): a moment's wait.
+            let (waited, _) = slot
+                .assigned
+                .wait_timeout_while(guard, FETCH_WAIT, |r| r.pending)
+                .unwrap_or_else(|e| e.into_inner());
+            guard = waited;
+            if guard.pending {
+                return Err(LogError::Unavailable(format!(
+                    "{topic}-{partition} was not assigned within {FETCH_WAIT:?}"
+                )));
+            }
+        }
+        // A plain reference, so the queue and the position borrow apart.
+        let reader: &mut PartitionReader = &mut guard;
+        // At the end the reader still stands at `offset`, so that records
+        // appended there fill the queue and fire its callback.
+        if reader.next != offset {
+            self.seek(reader, offset)?;
+        }
+        // Wait for records the end offset promises; at the end, only take what
+        // is queued. Either way the queue is served, which also consumes
+        // librdkafka's control events: its callback fires only when the queue
+        // goes from empty to non-empty, so nothing may linger there.
+        let promised = offset < end;
+        let mut taken = 0;
+        let deadline = Instant::now() + FETCH_WAIT;
+        while taken < max {
+            // Wait only for the first record; then take what is already here.
+            let wait = if promised && taken == 0 {
+                deadline.saturating_duration_since(Instant::now())
+            } else {
+                Duration::ZERO
+            };
+            match reader.queue.poll(wait) {
+                Some(Ok(message)) => {
+                    let message_offset = message.offset().max(0) as u64;
+                    if message_offset < offset {
+                        // Left over from before a seek.
+                        continue;
+                    }
+                    reader.next = message_offset + 1;
+                    take(&message);
+                    taken += 1;
+                }
+                // With `auto.offset.reset = error` an offset the broker no
+                // longer has stops the fetcher and arrives here.
+                Some(Err(KafkaError::MessageConsumption(
+                    code @ (RDKafkaErrorCode::OffsetOutOfRange | RDKafkaErrorCode::AutoOffsetReset),
+                ))) => {
+                    // The fetcher stopped; the next read seeks.
+                    reader.next = u64::MAX;
+                    let (earliest, _) = self.watermarks(topic, partition)?;
+                    if offset < earliest {
+                        return Err(LogError::OffsetOutOfRange {
+                            topic: topic.to_string(),
+                            partition,
+                            requested: offset,
+                            earliest,
+                        });
+                    }
+                    return Err(LogError::Unavailable(format!(
+                        "reading {topic}-{partition} from {offset}: {code}"
+                    )));
+                }
+                Some(Err(e)) => {
+                    if taken > 0 {
+                        break;
+                    }
+                    return Err(LogError::Unavailable(format!("reading {topic}-{partition}: {e}")));
+                }
+                None if promised && taken == 0 && Instant::now() < deadline => {}
+                None if promised && taken == 0 => {
+                    return Err(LogError::Unavailable(format!(
+                        "{topic}-{partition} holds offsets up to {end} but none arrived from {offset} within {FETCH_WAIT:?}"
+                    )));
+                }
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
     /// Moves a partition's reader to `offset`. librdkafka drops what the queue
     /// prefetched from the old position.
     fn seek(&self, reader: &mut PartitionReader, offset: u64) -> Result<(), LogError> {
@@ -1354,6 +1450,16 @@ impl Batch {
 struct Delivery {
     batch: Arc<Batch>,
     index: usize,
+}
+
+/// A record to send: a `ProducerRecord`, or a changelog write whose `value`
+/// may be `None`, a tombstone.
+struct Outgoing<'a> {
+    key: Option<&'a [u8]>,
+    value: Option<&'a [u8]>,
+    partition: Option<u32>,
+    timestamp_ms: Option<i64>,
+    headers: &'a [(String, Bytes)],
 }
 
 /// librdkafka's log lines through `tracing` (target `librdkafka`), less its

@@ -267,6 +267,15 @@ fn layout_pipeline(
     for internal in [&retry_topic, &dead_letter_topic] {
         log.ensure_topic(internal, partitions)?;
     }
+    // Created compacted, with the source's partition count (`KafkaLog::ensure_topic`).
+    let changelog_topic = match log.as_kafka() {
+        Some(_) => {
+            let topic = config.changelog_topic(&pipeline.name);
+            log.ensure_topic(&topic, partitions)?;
+            Some(topic.into())
+        }
+        None => None,
+    };
     let effective = config.effective_order(pipeline);
     Ok(PipelineRuntime {
         name: pipeline.name.as_str().into(),
@@ -280,6 +289,7 @@ fn layout_pipeline(
         retry_policy: config.retry_policy(pipeline),
         retry_topic: retry_topic.into(),
         dead_letter_topic: dead_letter_topic.into(),
+        changelog_topic,
     })
 }
 

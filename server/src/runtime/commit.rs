@@ -62,6 +62,8 @@ fn checkpoint(item: &CommitItem) -> Checkpoint {
         watermark: item.offset,
         retry_offset: item.retry_offset,
         retry_done: item.retry_done.clone(),
+        // Set when the commit is written, after its changelog records.
+        changelog_offset: None,
     }
 }
 
@@ -69,8 +71,11 @@ fn checkpoint(item: &CommitItem) -> Checkpoint {
 /// previous commit still pending (being written, or failed to be) is
 /// written first, so one failure does not stop every later commit.
 /// Err: the earlier commit still cannot be written (a storage fault).
-fn freeze(item: &CommitItem) -> Result<FreezeResult, String> {
-    let Some(store) = item.store.as_ref().and_then(|s| s.persistent()) else {
+fn freeze(shared: &Shared, item: &CommitItem) -> Result<FreezeResult, String> {
+    let Some(task_store) = item.store.as_ref() else {
+        return Ok(FreezeResult::Frozen);
+    };
+    let Some(store) = task_store.persistent() else {
         return Ok(FreezeResult::Frozen);
     };
     let checkpoint = checkpoint(item);
@@ -79,7 +84,9 @@ fn freeze(item: &CommitItem) -> Result<FreezeResult, String> {
         Ok(false) => {}
         Err(FreezeError) => return Ok(FreezeResult::OutOfOrder),
     }
-    store.finish_commit().map_err(|e| e.to_string())?;
+    task_store
+        .finish_commit(shared.log.as_ref())
+        .map_err(|e| e.to_string())?;
     Ok(match store.begin_commit(&checkpoint) {
         Ok(true) => FreezeResult::Frozen,
         Ok(false) => FreezeResult::Busy,
@@ -112,7 +119,7 @@ pub(crate) fn run(shared: &Shared, items: Vec<CommitItem>) {
     let mut results = Vec::with_capacity(items.len());
     let mut faults = Vec::new();
     for item in items {
-        let result = match freeze(&item) {
+        let result = match freeze(shared, &item) {
             Ok(result) => result,
             Err(error) => {
                 faults.push((item.clone(), error));
@@ -221,10 +228,10 @@ fn report(shared: &Shared, item: &CommitItem, result: Result<(), String>) {
 /// was written, None if another thread wrote the store's frozen commit.
 fn write(shared: &Shared, item: &CommitItem) -> Result<Option<CommitItem>, String> {
     if let Some(store) = &item.store {
-        let Some(store) = store.persistent() else {
+        if store.persistent().is_none() {
             return Err("the store is not persistent".to_string());
-        };
-        return match store.finish_commit() {
+        }
+        return match store.finish_commit(shared.log.as_ref()) {
             Ok(Some(checkpoint)) => {
                 let written = CommitItem {
                     offset: checkpoint.watermark,
@@ -243,6 +250,13 @@ fn write(shared: &Shared, item: &CommitItem) -> Result<Option<CommitItem>, Strin
             Ok(None) => Ok(None),
             Err(e) => Err(e.to_string()),
         };
+    }
+    // What a memory store wrote reaches its changelog before the positions
+    // that cover it (on Kafka; elsewhere there is none).
+    if let Some(store) = &item.memory {
+        store
+            .send_written(shared.log.as_ref())
+            .map_err(|e| e.to_string())?;
     }
     commit_positions(shared, item)?;
     Ok(Some(item.clone()))
@@ -279,7 +293,7 @@ pub(crate) fn final_commit(shared: &Shared, item: &CommitItem) -> Result<(), Str
         failed(shared, item, &error);
         return Err(error);
     }
-    let error = match freeze(item) {
+    let error = match freeze(shared, item) {
         Ok(FreezeResult::Frozen) => return write_and_report(shared, item),
         Ok(FreezeResult::Busy) => "the store's previous commit could not be written".to_string(),
         Ok(FreezeResult::OutOfOrder) => FreezeError.to_string(),

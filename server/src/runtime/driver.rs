@@ -7,6 +7,7 @@ use super::process;
 use super::retry::{self, RetryItem};
 use super::scheduler::{CommitItem, Pick, UnitContext};
 use super::shared::Shared;
+use super::task::RestoreFrom;
 use super::work::WorkUnit;
 use crate::log::Record;
 use crate::metadata::AppState;
@@ -159,9 +160,9 @@ fn run(shared: &Arc<Shared>, me: usize) {
                 task,
                 from,
                 until,
-                skip,
+                source,
                 context,
-            } => restore(shared, me, task, from, until, &skip, context),
+            } => restore(shared, me, task, from, until, &source, context),
             Pick::Commit { items, retention } => commit_round(shared, me, items, retention),
         }
     }
@@ -318,7 +319,7 @@ fn restore(
     task: usize,
     from: u64,
     until: u64,
-    skip: &std::collections::HashSet<u64>,
+    source: &RestoreFrom,
     context: UnitContext,
 ) {
     let guard = WorkGuard {
@@ -327,7 +328,12 @@ fn restore(
         holding: Holding::Restore(task),
     };
     let started = Instant::now();
-    let replayed = process::restore_chunk(shared, &context, from, until, skip);
+    let replayed = match source {
+        RestoreFrom::Source { skip } => {
+            process::restore_chunk(shared, &context, from, until, skip).map_err(|e| e.to_string())
+        }
+        RestoreFrom::Changelog => super::changelog::restore_chunk(shared, &context.store, from, until),
+    };
     context.count_busy("restore", started.elapsed());
     let next = match replayed {
         Ok(next) => Some(next),

@@ -90,6 +90,10 @@ impl GroupListener for Membership {
                 ),
             }
             released.extend(hosted.iter().map(|&p| (pipeline.retry_topic.to_string(), p)));
+            // A task revoked while it restored leaves its changelog partition assigned.
+            if let Some(changelog) = &pipeline.changelog_topic {
+                released.extend(hosted.iter().map(|&p| (changelog.to_string(), p)));
+            }
         }
         if let Some(kafka) = shared.log.as_kafka() {
             kafka.release(&released);

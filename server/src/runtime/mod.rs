@@ -10,6 +10,7 @@
 //!   `remote_calls` cuts a unit into calls of a remote processor.
 //! - `commit`, `recovery`: commit rounds and final commits; where a task resumes.
 //! - `retry`, `retry_queue`: the retry topic's format, and each task's queue of it.
+//! - `changelog`: a store's changelog on Kafka (sent at commits, restored from).
 //! - `subscription`: outcome feeds and subscribers.
 //! - `membership`: Kafka mode's consumer group turned into added and removed tasks.
 //! - `app`, `builder`: the library API.
@@ -20,6 +21,7 @@
 mod app;
 mod attempt;
 mod builder;
+mod changelog;
 mod commit;
 mod describe;
 mod driver;

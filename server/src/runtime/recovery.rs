@@ -1,10 +1,15 @@
 //! Where a task resumes, at start or when it is added while running: open its
 //! store; read the positions it committed (a persistent store's checkpoint,
 //! committed with its data, else the log's committed offsets); scan its
-//! retry-topic partition for what is still pending; and plan the replay that
-//! rebuilds a memory store. The answer is a `TaskInit` for the scheduler.
+//! retry-topic partition for what is still pending; and plan what rebuilds
+//! its store. The answer is a `TaskInit` for the scheduler.
+//!
+//! On Kafka the positions are reconciled (`kafka_positions`) and the store
+//! catches up with its changelog (`changelog_restore`): from its checkpoint's
+//! changelog offset when it has a usable one, else emptied and from the start.
 
 use super::RuntimeError;
+use super::changelog::Changelog;
 use super::retry::RetryBacklog;
 use super::retry_queue::RetryQueue;
 use super::shared::Shared;
@@ -12,6 +17,7 @@ use super::stores::TaskStore;
 use super::task::{Restore, TaskInit};
 use super::work::Gating;
 use crate::config::{ProcessingOrder, RetryPolicy, StoreKind};
+use crate::store::Checkpoint;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -66,11 +72,18 @@ pub(crate) fn plan(
         }
         _ => TaskStore::memory(),
     };
+    let store = match &p.changelog_topic {
+        Some(topic) => store.with_changelog(Changelog::new(topic.clone(), partition)),
+        None => store,
+    };
     let earliest = log.start_offset(&p.topic, partition)?;
     let retry_earliest = log.start_offset(&p.retry_topic, partition)?;
     let retry_end = log.end_offset(&p.retry_topic, partition)?;
     let checkpoint = store.checkpoint();
     let (committed, retry_committed, retry_done) = match (&checkpoint, store.persistent()) {
+        _ if log.as_kafka().is_some() => {
+            kafka_positions(shared, pipeline, partition, start, checkpoint.as_ref())?
+        }
         (Some(c), _) => (Some(c.watermark), Some(c.retry_offset), c.retry_done.clone()),
         (None, Some(_)) => (start, None, Vec::new()),
         (None, None) => (
@@ -87,6 +100,7 @@ pub(crate) fn plan(
         (RetryPolicy::RetryTopic, ProcessingOrder::Offset) => Gating::Park,
     };
     let keyed = gating != Gating::Off;
+    let retry_done_kept = retry_done.clone();
     let backlog = RetryBacklog::scan(
         log,
         &p.retry_topic,
@@ -102,10 +116,20 @@ pub(crate) fn plan(
         backlog.final_offsets,
     );
     retry.mark_committed(retry_committed.unwrap_or(retry_start), 0);
-    // A memory store is rebuilt from what the log retains, up to the
-    // committed watermark, before the task runs.
-    let restore = (store.persistent().is_none() && resume > earliest)
-        .then(|| Restore::new(earliest, resume, backlog.pending_sources));
+    let restore = if store.changelog().is_some() {
+        let positions = Checkpoint {
+            watermark: resume,
+            retry_offset: retry_start,
+            retry_done: retry_done_kept,
+            changelog_offset: None,
+        };
+        changelog_restore(shared, &store, partition, checkpoint.as_ref(), positions)?
+    } else {
+        // A memory store is rebuilt from what the log retains, up to the
+        // committed watermark, before the task runs.
+        (store.persistent().is_none() && resume > earliest)
+            .then(|| Restore::replay(earliest, resume, backlog.pending_sources))
+    };
     Ok(TaskInit {
         id,
         pipeline,
@@ -123,4 +147,89 @@ pub(crate) fn plan(
         max_in_flight_records: config.max_in_flight_records,
         outcome_retention_records: config.outcome_retention_records,
     })
+}
+
+/// Where a task resumes: its source offset and retry offset (`None`: none
+/// committed), and the final retry offsets above the latter.
+type Positions = (Option<u64>, Option<u64>, Vec<u64>);
+
+/// The positions (source, retry, final retries) a task on Kafka resumes at.
+/// The group's committed offsets are where the partition's last owner
+/// stopped, whichever instance that was: they win, unless this instance's
+/// own checkpoint is ahead of them — a persistent store commits its
+/// checkpoint first and the group's offsets after, so a crash in between
+/// leaves the group behind, and the checkpoint (whose writes reached the
+/// changelog before it was written) is then the newer.
+fn kafka_positions(
+    shared: &Shared,
+    pipeline: usize,
+    partition: u32,
+    start: Option<u64>,
+    checkpoint: Option<&Checkpoint>,
+) -> Result<Positions, RuntimeError> {
+    let log = shared.log.as_ref();
+    let group = shared.config.application_id.as_str();
+    let p = &shared.pipelines[pipeline];
+    let source = match start {
+        Some(start) => Some(start),
+        None => log.committed(group, &p.topic, partition)?,
+    };
+    Ok(match checkpoint {
+        Some(c) if source.is_none_or(|g| c.watermark > g) => {
+            (Some(c.watermark), Some(c.retry_offset), c.retry_done.clone())
+        }
+        _ => (
+            source,
+            log.committed(group, &p.retry_topic, partition)?,
+            Vec::new(),
+        ),
+    })
+}
+
+/// What brings a store on Kafka up to its changelog's end (asked of the
+/// broker now: the previous owner may have written it a moment ago). A
+/// persistent store whose checkpoint names a changelog offset within the
+/// partition restores from there; any other persistent store (none, or a
+/// copy from elsewhere) is emptied first, with `positions` as its
+/// checkpoint, and restores it all, as a memory store does. `None`: nothing
+/// to restore.
+fn changelog_restore(
+    shared: &Shared,
+    store: &TaskStore,
+    partition: u32,
+    checkpoint: Option<&Checkpoint>,
+    positions: Checkpoint,
+) -> Result<Option<Restore>, RuntimeError> {
+    let (Some(kafka), Some(changelog)) = (shared.log.as_kafka(), store.changelog()) else {
+        return Ok(None);
+    };
+    let topic = changelog.topic();
+    let begin = shared.log.start_offset(topic, partition)?;
+    let end = kafka.latest_end_offset(topic, partition)?;
+    let local = checkpoint
+        .and_then(|c| c.changelog_offset)
+        .filter(|&offset| (begin..=end).contains(&offset));
+    let from = match (store.persistent(), local) {
+        (Some(_), Some(offset)) => offset,
+        (Some(persistent), None) => {
+            let emptied = Checkpoint {
+                changelog_offset: Some(begin),
+                ..positions
+            };
+            persistent.reset(&emptied).map_err(|e| RuntimeError::Storage {
+                path: e.path,
+                message: e.message,
+            })?;
+            begin
+        }
+        (None, _) => begin,
+    };
+    if from >= end {
+        return Ok(None);
+    }
+    tracing::info!(
+        changelog = %topic, partition, from, end,
+        "restoring the store from its changelog"
+    );
+    Ok(Some(Restore::changelog(from, end)))
 }

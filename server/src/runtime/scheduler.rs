@@ -409,12 +409,12 @@ impl Scheduler {
         let n = self.tasks.len();
         if let Some(t) = (0..n).find(|&t| self.task(t).is_some_and(Task::restore_pending)) {
             let context = self.context(t, me);
-            if let Some((from, until, skip)) = self.task_mut(t).start_restore() {
+            if let Some((from, until, source)) = self.task_mut(t).start_restore() {
                 return Pick::Restore {
                     task: t,
                     from,
                     until,
-                    skip,
+                    source,
                     context,
                 };
             }

@@ -41,6 +41,10 @@ pub(crate) struct PipelineRuntime {
     pub(crate) retry_policy: RetryPolicy,
     pub(crate) retry_topic: Arc<str>,
     pub(crate) dead_letter_topic: Arc<str>,
+    /// On Kafka: the store's changelog topic (`None` on the embedded log,
+    /// whose memory stores replay the source and whose persistent stores
+    /// stay on this machine).
+    pub(crate) changelog_topic: Option<Arc<str>>,
 }
 
 /// What runs a pipeline's records: code in this process, or a user's

@@ -1,14 +1,23 @@
 //! The state store of one task as the runtime holds it: in memory (rebuilt at
 //! start by replaying the retained log up to the committed watermark) or
 //! persistent (redb; the watermark is committed in the same transaction as the
-//! data, so it is where a restart resumes, with nothing to replay).
+//! data, so it is where a restart resumes, with nothing to replay). On Kafka
+//! either kind has a changelog (`changelog`): what its commits cover is sent
+//! there first, and it is restored from there instead.
 
+use super::changelog::Changelog;
+use crate::log::Log;
 use crate::store::{Checkpoint, KeyValueStore, MemoryStore, PersistentStore, StoreError, Write, WriteTag};
 use bytes::Bytes;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub(crate) enum TaskStore {
+pub(crate) struct TaskStore {
+    backend: Backend,
+    changelog: Option<Changelog>,
+}
+
+enum Backend {
     Memory(Arc<MemoryStore>),
     Persistent(Arc<PersistentStore>),
 }
@@ -21,7 +30,20 @@ pub(crate) struct StoreRead {
 
 impl TaskStore {
     pub(crate) fn memory() -> TaskStore {
-        TaskStore::Memory(Arc::new(MemoryStore::new()))
+        TaskStore {
+            backend: Backend::Memory(Arc::new(MemoryStore::new())),
+            changelog: None,
+        }
+    }
+
+    /// The store with its changelog (on Kafka).
+    pub(crate) fn with_changelog(mut self, changelog: Changelog) -> TaskStore {
+        self.changelog = Some(changelog);
+        self
+    }
+
+    pub(crate) fn changelog(&self) -> Option<&Changelog> {
+        self.changelog.as_ref()
     }
 
     /// Opens `<data_dir>/stores/<application_id>/<task_id>.redb`.
@@ -36,15 +58,66 @@ impl TaskStore {
             message: format!("cannot create the store directory: {e}"),
         })?;
         let path: PathBuf = dir.join(format!("{task_id}.redb"));
-        Ok(TaskStore::Persistent(Arc::new(PersistentStore::open(&path)?)))
+        Ok(TaskStore {
+            backend: Backend::Persistent(Arc::new(PersistentStore::open(&path)?)),
+            changelog: None,
+        })
     }
 
     /// Applies the writes of a successful attempt, draining `writes`. A memory
     /// store needs no tag: it is never frozen, only rebuilt from the log.
     pub(crate) fn apply(&self, tag: WriteTag, writes: &mut Vec<Write>, settled_below: u64) {
-        match self {
-            TaskStore::Memory(store) => store.apply(writes.drain(..)),
-            TaskStore::Persistent(store) => store.apply(tag, writes.drain(..), settled_below),
+        match &self.backend {
+            Backend::Memory(store) => {
+                if let Some(changelog) = &self.changelog {
+                    changelog.note_written(writes);
+                }
+                store.apply(writes.drain(..));
+            }
+            Backend::Persistent(store) => store.apply(tag, writes.drain(..), settled_below),
+        }
+    }
+
+    /// Writes a persistent store's frozen commit (see `PersistentStore::finish_commit`),
+    /// on Kafka sending it to the changelog first, where the checkpoint then
+    /// records its end. A memory store has nothing frozen: `Ok(None)`.
+    pub(crate) fn finish_commit(&self, log: &dyn Log) -> Result<Option<Checkpoint>, StoreError> {
+        let Backend::Persistent(store) = &self.backend else {
+            return Ok(None);
+        };
+        match (&self.changelog, log.as_kafka()) {
+            (Some(changelog), Some(kafka)) => store.finish_commit_via(|writes| {
+                changelog
+                    .send(kafka, &writes)
+                    .map_err(|e| changelog_error(changelog, &e))
+            }),
+            _ => store.finish_commit(),
+        }
+    }
+
+    /// Sends what a memory store wrote since its last send to the changelog
+    /// (current values), before a commit of its positions covers it.
+    pub(crate) fn send_written(&self, log: &dyn Log) -> Result<(), StoreError> {
+        let (Backend::Memory(store), Some(changelog), Some(kafka)) =
+            (&self.backend, &self.changelog, log.as_kafka())
+        else {
+            return Ok(());
+        };
+        changelog
+            .send_written(kafka, |key| store.get(key).ok().flatten())
+            .map_err(|e| changelog_error(changelog, &e))
+    }
+
+    /// Applies changelog records being restored (`next`: the offset after
+    /// them), bypassing the changelog: they are in it already. A persistent
+    /// store writes them durably with its checkpoint at `next`.
+    pub(crate) fn restore(&self, writes: &[Write], next: u64) -> Result<(), StoreError> {
+        match &self.backend {
+            Backend::Memory(store) => {
+                store.apply(writes.iter().cloned());
+                Ok(())
+            }
+            Backend::Persistent(store) => store.restore_batch(writes, next),
         }
     }
 
@@ -66,16 +139,16 @@ impl TaskStore {
     }
 
     pub(crate) fn kv(&self) -> &dyn KeyValueStore {
-        match self {
-            TaskStore::Memory(store) => store.as_ref(),
-            TaskStore::Persistent(store) => store.as_ref(),
+        match &self.backend {
+            Backend::Memory(store) => store.as_ref(),
+            Backend::Persistent(store) => store.as_ref(),
         }
     }
 
     pub(crate) fn persistent(&self) -> Option<&Arc<PersistentStore>> {
-        match self {
-            TaskStore::Persistent(store) => Some(store),
-            TaskStore::Memory(_) => None,
+        match &self.backend {
+            Backend::Persistent(store) => Some(store),
+            Backend::Memory(_) => None,
         }
     }
 
@@ -95,8 +168,8 @@ impl TaskStore {
         live_position: u64,
         start_position: u64,
     ) -> Result<StoreRead, StoreError> {
-        match self {
-            TaskStore::Memory(store) => Ok(StoreRead {
+        match &self.backend {
+            Backend::Memory(store) => Ok(StoreRead {
                 position: live_position,
                 entries: match (from, to) {
                     (Some(f), Some(t)) if f == t => store
@@ -106,7 +179,7 @@ impl TaskStore {
                     _ => store.range(from, to, limit)?,
                 },
             }),
-            TaskStore::Persistent(store) => {
+            Backend::Persistent(store) => {
                 let snapshot = store.snapshot()?;
                 let position = snapshot.checkpoint().map_or(start_position, |c| c.watermark);
                 let entries = match (from, to) {
@@ -119,5 +192,13 @@ impl TaskStore {
                 Ok(StoreRead { position, entries })
             }
         }
+    }
+}
+
+/// A changelog failure, as the store's error (it fails the store's commit).
+fn changelog_error(changelog: &Changelog, error: &crate::log::LogError) -> StoreError {
+    StoreError {
+        path: format!("{}-{}", changelog.topic(), changelog.partition()),
+        message: format!("cannot write the changelog: {error}"),
     }
 }

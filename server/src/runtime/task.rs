@@ -42,22 +42,43 @@ const COMMIT_BACKOFF_MAX: Duration = Duration::from_secs(10);
 const FETCH_BACKOFF_FIRST: Duration = Duration::from_millis(10);
 const FETCH_BACKOFF_MAX: Duration = Duration::from_secs(5);
 
-/// Replays source offsets `[next, until)` into a memory store at start,
-/// minus those still on the retry path (`skip`).
+/// Rebuilds a task's store before it runs: offsets `[next, until)` of the
+/// source (replayed into a memory store) or of the store's changelog.
 pub(crate) struct Restore {
     pub(crate) next: u64,
     pub(crate) until: u64,
-    pub(crate) skip: Arc<HashSet<u64>>,
-    /// A thread is replaying a chunk right now.
+    pub(crate) from: RestoreFrom,
+    /// A thread is restoring a chunk right now.
     busy: bool,
 }
 
+/// What a restore reads.
+#[derive(Clone)]
+pub(crate) enum RestoreFrom {
+    /// The source partition, processed again minus the offsets still on the
+    /// retry path (embedded log, memory store).
+    Source { skip: Arc<HashSet<u64>> },
+    /// The store's changelog partition, applied as it is (Kafka).
+    Changelog,
+}
+
 impl Restore {
-    pub(crate) fn new(next: u64, until: u64, skip: HashSet<u64>) -> Restore {
+    /// Replays source offsets `[next, until)` minus `skip`.
+    pub(crate) fn replay(next: u64, until: u64, skip: HashSet<u64>) -> Restore {
         Restore {
             next,
             until,
-            skip: Arc::new(skip),
+            from: RestoreFrom::Source { skip: Arc::new(skip) },
+            busy: false,
+        }
+    }
+
+    /// Applies changelog offsets `[next, until)`.
+    pub(crate) fn changelog(next: u64, until: u64) -> Restore {
+        Restore {
+            next,
+            until,
+            from: RestoreFrom::Changelog,
             busy: false,
         }
     }
@@ -279,7 +300,7 @@ impl Task {
         self.seq.span() - self.seq.pending()
     }
 
-    /// Source records a restoring task has still to replay.
+    /// Records (of the source or the changelog) a restoring task has still to apply.
     pub(crate) fn restore_remaining(&self) -> u64 {
         self.restore
             .as_ref()
@@ -296,11 +317,16 @@ impl Task {
     }
 
     /// The source offset the task's next read asks for: where the replay of
-    /// its memory store stands while it restores, else its fetch position.
+    /// its memory store stands while it restores from the source, else its
+    /// fetch position.
     pub(crate) fn next_source_read(&self) -> u64 {
         match &self.restore {
-            Some(restore) => restore.next,
-            None => self.seq.fetched_end(),
+            Some(Restore {
+                next,
+                from: RestoreFrom::Source { .. },
+                ..
+            }) => *next,
+            _ => self.seq.fetched_end(),
         }
     }
 
@@ -557,10 +583,10 @@ impl Task {
     // ---- restore ----
 
     /// The next chunk to replay, if no thread replays one now.
-    pub(crate) fn start_restore(&mut self) -> Option<(u64, u64, Arc<HashSet<u64>>)> {
+    pub(crate) fn start_restore(&mut self) -> Option<(u64, u64, RestoreFrom)> {
         let restore = self.restore.as_mut().filter(|r| !r.busy)?;
         restore.busy = true;
-        Some((restore.next, restore.until, restore.skip.clone()))
+        Some((restore.next, restore.until, restore.from.clone()))
     }
 
     pub(crate) fn restore_pending(&self) -> bool {

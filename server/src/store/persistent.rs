@@ -26,6 +26,11 @@ pub struct Checkpoint {
     /// Retry-topic offsets at or above `retry_offset` already final: their
     /// effects are in the data, so a restart must not apply them again.
     pub retry_done: Vec<u64>,
+    /// On Kafka: the offset of the store's changelog partition below which
+    /// every changelog record is in the data, where restoring this copy
+    /// resumes. `None`: unknown (a store never restored nor committed on
+    /// Kafka), so only a full restore makes it current.
+    pub changelog_offset: Option<u64>,
 }
 
 fn panic_message(payload: &(dyn Any + Send)) -> &str {
@@ -56,6 +61,9 @@ const CHECKPOINT_KEY: &str = "checkpoint";
 /// One row, `retry_done` → the checkpoint's `retry_done` as little-endian u64s.
 const RETRY_DONE: TableDefinition<&str, &[u8]> = TableDefinition::new("retry_done");
 const RETRY_DONE_KEY: &str = "retry_done";
+/// One row, `changelog_offset` → the checkpoint's `changelog_offset`; absent when it has none.
+const CHANGELOG: TableDefinition<&str, u64> = TableDefinition::new("changelog");
+const CHANGELOG_KEY: &str = "changelog_offset";
 /// One row, `log_id` → the id of the log this store was created for (`crate::datadir`);
 /// absent in stores from before ids.
 const IDENTITY: TableDefinition<&str, &str> = TableDefinition::new("identity");
@@ -348,12 +356,19 @@ impl Committed {
             Err(redb::TableError::TableDoesNotExist(_)) => Vec::new(),
             Err(e) => return Err(e.into()),
         };
+        let changelog_offset = match txn.open_table(CHANGELOG) {
+            Ok(table) => table.get(CHANGELOG_KEY)?.map(|guard| guard.value()),
+            // Written by the first commit on Kafka; other files have none.
+            Err(redb::TableError::TableDoesNotExist(_)) => None,
+            Err(e) => return Err(e.into()),
+        };
         let checkpoint = meta.get(CHECKPOINT_KEY)?.map(|guard| {
             let (watermark, retry_offset) = guard.value();
             Checkpoint {
                 watermark,
                 retry_offset,
                 retry_done,
+                changelog_offset,
             }
         });
         Ok(Committed { data, checkpoint })
@@ -507,7 +522,7 @@ fn read_facts(db: &impl ReadableDatabase) -> Result<(Option<String>, Option<Chec
             Checkpoint {
                 watermark,
                 retry_offset,
-                retry_done: Vec::new(),
+                ..Checkpoint::default()
             }
         }),
         Err(redb::TableError::TableDoesNotExist(_)) => None,
@@ -726,11 +741,89 @@ impl PersistentStore {
     /// On error the frozen commit stays in place (reads still see it) and pending: calling
     /// this again retries it, which is harmless since it holds plain puts and deletes.
     pub fn finish_commit(&self) -> Result<Option<Checkpoint>, StoreError> {
+        self.finish_commit_via(|_| Ok(None))
+    }
+
+    /// `finish_commit`, handing the frozen commit's writes to `changelog` first (a store on
+    /// Kafka sends them to its changelog topic there). It runs under the lock that serialises
+    /// commits, so the writes of two commits never reach the changelog out of order, and
+    /// answers the changelog offset after its writes (`None`: it sent nothing), which the
+    /// checkpoint records; without one the checkpoint keeps the previous commit's. If it
+    /// fails, nothing is written and the commit stays pending (sent twice is harmless: the
+    /// changelog holds values, not changes).
+    pub fn finish_commit_via(
+        &self,
+        changelog: impl FnOnce(Vec<Write>) -> Result<Option<u64>, StoreError>,
+    ) -> Result<Option<Checkpoint>, StoreError> {
         let _writer = lock(&self.writer);
         let Some(pending) = lock(&self.pending).clone() else {
             return Ok(None);
         };
-        let checkpoint = pending.checkpoint;
+        let writes: Vec<Write> = pending
+            .layers
+            .iter()
+            .flat_map(|layer| layer.iter().map(|(key, value)| (key.clone(), value.clone())))
+            .collect();
+        let mut checkpoint = pending.checkpoint;
+        checkpoint.changelog_offset = match changelog(writes)? {
+            Some(next) => Some(next),
+            None => self.checkpoint().and_then(|c| c.changelog_offset),
+        };
+        let layers = pending.layers.iter().flat_map(|layer| layer.iter());
+        self.write_durably(false, layers, &checkpoint)?;
+        for shard in self.shards.iter() {
+            write(&shard.0).frozen = None;
+        }
+        *lock(&self.pending) = None;
+        Ok(Some(checkpoint))
+    }
+
+    /// Writes changelog records being restored straight to the file, with the checkpoint
+    /// moved to `changelog_next` (the offset after them; the positions stay as they are,
+    /// or 0 in a store that has none yet). Durable chunk by chunk, so a restore cut short
+    /// resumes where it stopped. Only for a store the runtime does not write meanwhile.
+    pub fn restore_batch(&self, writes: &[Write], changelog_next: u64) -> Result<(), StoreError> {
+        let _writer = lock(&self.writer);
+        self.check_quiet()?;
+        let checkpoint = Checkpoint {
+            changelog_offset: Some(changelog_next),
+            ..self.checkpoint().unwrap_or_default()
+        };
+        self.write_durably(false, writes.iter().map(|(k, v)| (k, v)), &checkpoint)
+    }
+
+    /// Removes every entry and writes `checkpoint` in one durable transaction: a copy that
+    /// cannot be brought up to date from where it stands is emptied before a full restore.
+    /// Only for a store the runtime does not write meanwhile.
+    pub fn reset(&self, checkpoint: &Checkpoint) -> Result<(), StoreError> {
+        let _writer = lock(&self.writer);
+        self.check_quiet()?;
+        self.write_durably(true, std::iter::empty(), checkpoint)
+    }
+
+    /// Restores and resets write below the overlay, so there must be none.
+    fn check_quiet(&self) -> Result<(), StoreError> {
+        let quiet =
+            lock(&self.pending).is_none() && self.shards.iter().all(|shard| read(&shard.0).dirty.is_empty());
+        if quiet {
+            Ok(())
+        } else {
+            Err(StoreError::new(
+                &self.path,
+                "cannot restore into a store with uncommitted writes",
+            ))
+        }
+    }
+
+    /// One durable transaction: (if `clear`) every entry removed, then `writes`, and the
+    /// checkpoint; the committed view is reloaded after it. An I/O error reopens the file, so
+    /// that a later attempt can succeed.
+    fn write_durably<'a>(
+        &self,
+        clear: bool,
+        writes: impl Iterator<Item = (&'a Bytes, &'a Option<Bytes>)>,
+        checkpoint: &Checkpoint,
+    ) -> Result<(), StoreError> {
         let mut db = lock(&self.db);
         if db.is_none() {
             self.reopen(&mut db)?;
@@ -744,14 +837,15 @@ impl PersistentStore {
             // walk the whole file; costs a second fsync per commit, once a second.
             txn.set_quick_repair(true);
             {
+                if clear {
+                    txn.delete_table(DATA)?;
+                }
                 let mut data = txn.open_table(DATA)?;
-                for layer in pending.layers.iter() {
-                    for (key, value) in layer.iter() {
-                        match value {
-                            Some(value) => data.insert(key.as_ref(), value.as_ref())?,
-                            None => data.remove(key.as_ref())?,
-                        };
-                    }
+                for (key, value) in writes {
+                    match value {
+                        Some(value) => data.insert(key.as_ref(), value.as_ref())?,
+                        None => data.remove(key.as_ref())?,
+                    };
                 }
                 let mut meta = txn.open_table(META)?;
                 meta.insert(CHECKPOINT_KEY, (checkpoint.watermark, checkpoint.retry_offset))?;
@@ -762,6 +856,14 @@ impl PersistentStore {
                     .collect();
                 txn.open_table(RETRY_DONE)?
                     .insert(RETRY_DONE_KEY, done.as_slice())?;
+                match checkpoint.changelog_offset {
+                    Some(offset) => {
+                        txn.open_table(CHANGELOG)?.insert(CHANGELOG_KEY, offset)?;
+                    }
+                    None => {
+                        txn.open_table(CHANGELOG)?.remove(CHANGELOG_KEY)?;
+                    }
+                }
             }
             txn.commit()?;
             Committed::load(open)
@@ -788,14 +890,10 @@ impl PersistentStore {
             }
         };
         drop(db);
-        // The new view goes in before the frozen layers go out: a reader finding no frozen layer
-        // must find their writes below.
+        // The new view goes in before a frozen layer goes out: a reader finding no frozen
+        // layer must find its writes below.
         *write(&self.committed) = Arc::new(committed);
-        for shard in self.shards.iter() {
-            write(&shard.0).frozen = None;
-        }
-        *lock(&self.pending) = None;
-        Ok(Some(checkpoint))
+        Ok(())
     }
 
     /// Closes the database and opens the file again: redb's way out of an I/O error. The last
@@ -1316,6 +1414,7 @@ mod tests {
             watermark: 4,
             retry_offset: 0,
             retry_done: vec![7, 8],
+            changelog_offset: None,
         };
         assert!(store.begin_commit(&covered).unwrap());
         store.finish_commit().unwrap();
@@ -1586,6 +1685,91 @@ mod tests {
         drop(store);
         let reopened = PersistentStore::open(&file).unwrap();
         assert_eq!(reopened.snapshot().unwrap().len().unwrap(), 20_001);
+    }
+
+    #[test]
+    fn a_commit_hands_exactly_its_frozen_writes_to_the_changelog_and_records_its_end() {
+        let dir = TempDir::new("changelog");
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        store.apply(WriteTag::Source(0), [(b("a"), Some(b("1")))], 0);
+        store.apply(WriteTag::Source(1), [(b("b"), Some(b("1")))], 0);
+        store.apply(WriteTag::Source(5), [(b("a"), Some(b("2")))], 0);
+        assert!(store.begin_commit(&checkpoint(2)).unwrap());
+        let mut sent = Vec::new();
+        let written = store
+            .finish_commit_via(|writes| {
+                sent = writes;
+                Ok(Some(17))
+            })
+            .unwrap()
+            .unwrap();
+        // The write of offset 5 is not covered: neither committed nor sent.
+        sent.sort();
+        assert_eq!(sent, vec![(b("a"), Some(b("1"))), (b("b"), Some(b("1")))]);
+        assert_eq!(written.changelog_offset, Some(17));
+        assert_eq!(store.checkpoint().unwrap().changelog_offset, Some(17));
+
+        // A commit that sends nothing keeps the offset; a failed send writes nothing.
+        assert!(store.begin_commit(&checkpoint(3)).unwrap());
+        store.finish_commit_via(|_| Ok(None)).unwrap();
+        assert_eq!(store.checkpoint().unwrap().changelog_offset, Some(17));
+        assert_eq!(store.checkpoint().unwrap().watermark, 3);
+        assert!(store.begin_commit(&checkpoint(6)).unwrap());
+        let refused = store.finish_commit_via(|_| Err(StoreError::new(Path::new("changelog-0"), "down")));
+        assert!(refused.is_err());
+        assert_eq!(store.checkpoint().unwrap().watermark, 3);
+        assert_eq!(store.get(b"a").unwrap(), Some(b("2")));
+        let again = store.finish_commit_via(|writes| {
+            assert_eq!(writes, vec![(b("a"), Some(b("2")))]);
+            Ok(Some(18))
+        });
+        assert_eq!(again.unwrap().unwrap().changelog_offset, Some(18));
+        drop(store);
+        let reopened = PersistentStore::open(&dir.file()).unwrap();
+        assert_eq!(reopened.checkpoint().unwrap().changelog_offset, Some(18));
+        assert_eq!(reopened.checkpoint().unwrap().watermark, 6);
+    }
+
+    #[test]
+    fn restored_batches_are_durable_with_their_changelog_offset_and_reset_empties_the_store() {
+        let dir = TempDir::new("restore");
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        store
+            .restore_batch(&[(b("a"), Some(b("1"))), (b("b"), Some(b("2")))], 10)
+            .unwrap();
+        store
+            .restore_batch(&[(b("a"), None), (b("c"), Some(b("3")))], 25)
+            .unwrap();
+        // Positions stay as they were (none yet: 0); only the changelog offset moves.
+        let restored = store.checkpoint().unwrap();
+        assert_eq!((restored.watermark, restored.changelog_offset), (0, Some(25)));
+        assert_eq!(
+            keys(&store.snapshot().unwrap().range(None, None, 0).unwrap()),
+            vec![b("b"), b("c")]
+        );
+        drop(store);
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        assert_eq!(store.get(b"c").unwrap(), Some(b("3")));
+        assert_eq!(store.checkpoint().unwrap().changelog_offset, Some(25));
+
+        // A store with uncommitted writes refuses: a restore writes below them.
+        store.put(b("d"), b("4")).unwrap();
+        assert!(store.restore_batch(&[(b("e"), Some(b("5")))], 26).is_err());
+        assert!(store.begin_commit(&checkpoint(4)).unwrap());
+        assert_eq!(store.finish_commit().unwrap().unwrap().changelog_offset, Some(25));
+        let emptied = Checkpoint {
+            watermark: 40,
+            retry_offset: 3,
+            retry_done: vec![5],
+            changelog_offset: Some(0),
+        };
+        store.reset(&emptied).unwrap();
+        assert_eq!(store.len().unwrap(), 0);
+        assert_eq!(store.checkpoint(), Some(emptied.clone()));
+        drop(store);
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        assert_eq!(store.len().unwrap(), 0);
+        assert_eq!(store.checkpoint(), Some(emptied));
     }
 
     proptest::proptest! {

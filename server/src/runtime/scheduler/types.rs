@@ -5,12 +5,11 @@
 use super::super::attempt::KeyLocks;
 use super::super::retry::RetryItem;
 use super::super::stores::TaskStore;
-use super::super::task::Task;
+use super::super::task::{RestoreFrom, Task};
 use super::super::work::{Gating, WorkUnit};
 use crate::log::Record;
 use crate::metadata::RecordOutcome;
 use bytes::Bytes;
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -133,6 +132,9 @@ pub(crate) struct CommitItem {
     /// Final retry offsets above `retry_offset` (persistent stores only).
     pub(crate) retry_done: Vec<u64>,
     pub(crate) store: Option<Arc<TaskStore>>,
+    /// A memory store with a changelog: the keys it wrote are sent there
+    /// before the positions are committed.
+    pub(crate) memory: Option<Arc<TaskStore>>,
     /// The positions committed before, so a log commit writes only what moved.
     pub(crate) committed_offset: u64,
     pub(crate) committed_retry_offset: u64,
@@ -170,7 +172,7 @@ pub(crate) enum Pick {
         task: usize,
         from: u64,
         until: u64,
-        skip: Arc<HashSet<u64>>,
+        source: RestoreFrom,
         context: UnitContext,
     },
     /// A commit round: the commits due, and whether retention is due too.
@@ -230,6 +232,8 @@ impl CommitItem {
             retry_offset,
             retry_done,
             store: task.is_persistent().then(|| task.store().clone()),
+            memory: (!task.is_persistent() && task.store().changelog().is_some())
+                .then(|| task.store().clone()),
             committed_offset: task.committed(),
             committed_retry_offset: task.retry().committed(),
         }
