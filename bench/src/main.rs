@@ -4,7 +4,9 @@
 //!
 //! `cargo run --release -p taskstream-bench -- [SCENARIO…] [--quick] [--out DIR]`
 
+mod bare;
 mod plot;
+mod repeat;
 mod report;
 mod scenarios;
 mod server;

@@ -2,6 +2,7 @@
 //! on it and time it from start until every task's watermark reaches the end
 //! of its partition, sampling progress on the way. Also peak RSS and temp dirs.
 
+use crate::repeat::{Measured, cpu_seconds, load_average};
 use anyhow::{Context as _, anyhow};
 use bytes::Bytes;
 use std::path::Path;
@@ -35,6 +36,14 @@ impl Keys {
             Keys::Distinct => "a distinct key per record".to_string(),
         }
     }
+
+    /// Which key `prefill` gives record i (its index in the key table, or i itself).
+    pub fn index_of(&self, i: u64) -> u64 {
+        match *self {
+            Keys::Uniform { count, seed } => splitmix64(seed ^ i) % u64::from(count),
+            Keys::Distinct => i,
+        }
+    }
 }
 
 /// Appends `records` keyed records (value: `value_bytes` bytes) to `topic`.
@@ -59,9 +68,7 @@ pub fn prefill(
             .map(|i| {
                 let key = match keys {
                     // Cloning a `Bytes` of the table shares it: no allocation per record.
-                    Keys::Uniform { count, seed } => {
-                        table[(splitmix64(seed ^ i) % count as u64) as usize].clone()
-                    }
+                    Keys::Uniform { .. } => table[keys.index_of(i) as usize].clone(),
                     Keys::Distinct => Bytes::from(format!("key-{i:09}")),
                 };
                 ProducerRecord {
@@ -128,11 +135,25 @@ pub struct Run {
     /// Seconds from `start()` until `shutdown()` returned: caught up, then
     /// drained and committed (what a persistent store's last commit costs).
     pub until_shutdown: f64,
+    /// CPU time of this process from `start()` until caught up.
+    pub cpu_seconds: f64,
+    /// The load average when the run started.
+    pub load: f64,
 }
 
 impl Run {
     pub fn throughput(&self) -> f64 {
         self.completed as f64 / self.seconds.max(1e-9)
+    }
+
+    pub fn measured(&self) -> Measured {
+        Measured {
+            seconds: self.seconds,
+            records: self.completed,
+            cpu_seconds: self.cpu_seconds,
+            load: self.load,
+            finished: self.finished,
+        }
     }
 }
 
@@ -157,6 +178,8 @@ pub fn run_prefilled(
     }
     reset_peak_rss();
     let rss_before = rss_field(None, "VmRSS:");
+    let load = load_average();
+    let cpu_before = cpu_seconds();
     let start = Instant::now();
     let app = builder.start().context("start the runtime")?;
     let mut progress = vec![(0.0, 0.0)];
@@ -186,6 +209,7 @@ pub fn run_prefilled(
         }
         std::thread::sleep(Duration::from_millis(1));
     };
+    let cpu_seconds = cpu_seconds() - cpu_before;
     let peak_rss = peak_rss(None);
     let store_kind = app.describe().pipelines.first().map(|p| p.store_kind);
     app.shutdown().context("shut the runtime down")?;
@@ -199,6 +223,8 @@ pub fn run_prefilled(
         rss_before,
         store_kind,
         until_shutdown,
+        cpu_seconds,
+        load,
     })
 }
 

@@ -251,6 +251,16 @@ impl Simulate {
             && unit_draw(splitmix64(self.draw_seed(partition, offset) ^ 0xfa11)) < self.failure_rate
     }
 
+    /// The latency this record sleeps, in ms: what a benchmark's bare loop sleeps too.
+    pub fn latency_ms_of(&self, partition: u32, offset: u64) -> f64 {
+        let draw = self.draw_seed(partition, offset);
+        match self.latency_ms {
+            None => 0.0,
+            Some(LatencySpec::Fixed(ms)) => ms,
+            Some(LatencySpec::Uniform([low, high])) => low + (high - low) * unit_draw(draw),
+        }
+    }
+
     fn draw_seed(&self, partition: u32, offset: u64) -> u64 {
         splitmix64(self.seed ^ ((partition as u64) << 40) ^ offset)
     }
@@ -259,11 +269,7 @@ impl Simulate {
 impl Processor for Simulate {
     fn process(&self, record: &Record, ctx: &ProcessorContext<'_>) -> Result<(), ProcessError> {
         let draw = self.draw_seed(record.partition, record.offset);
-        let latency_ms = match self.latency_ms {
-            None => 0.0,
-            Some(LatencySpec::Fixed(ms)) => ms,
-            Some(LatencySpec::Uniform([low, high])) => low + (high - low) * unit_draw(draw),
-        };
+        let latency_ms = self.latency_ms_of(record.partition, record.offset);
         if latency_ms > 0.0 {
             let latency = Duration::from_secs_f64(latency_ms / 1000.0);
             // A call that would outlive its deadline stops there.
