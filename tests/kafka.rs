@@ -104,6 +104,23 @@ impl ServerProcess {
     }
 }
 
+impl ServerProcess {
+    /// SIGKILL: no drain, no commit, no leaving the group.
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// The port it listens on (and advertises as `application_server`).
+    fn port(&self) -> u32 {
+        self.addr
+            .rsplit(':')
+            .next()
+            .and_then(|port| port.parse().ok())
+            .expect("a port in the address")
+    }
+}
+
 impl Drop for ServerProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -464,4 +481,232 @@ fn a_fresh_instance_restores_the_stores_from_the_changelog() {
         counts(&first) == expected
     });
     first.shutdown().expect("shutdown");
+}
+
+/// Records produced straight to Kafka by a background thread, keyed
+/// `key-0` … `key-63`, counted per key once Kafka acknowledged them.
+struct Flow {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<BTreeMap<String, u64>>,
+}
+
+impl Flow {
+    fn start(bootstrap: &str, topic: &str) -> Flow {
+        use taskstream_server::Log as _;
+        let log = taskstream_server::log::KafkaLog::with_settings(bootstrap, &BTreeMap::new(), 1)
+            .expect("connect to the broker");
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopping = stop.clone();
+        let topic = topic.to_string();
+        let thread = std::thread::spawn(move || {
+            let mut produced: BTreeMap<String, u64> = BTreeMap::new();
+            let mut n = 0u64;
+            while !stopping.load(std::sync::atomic::Ordering::Acquire) {
+                let keys: Vec<String> = (0..100)
+                    .map(|_| {
+                        n += 1;
+                        format!("key-{}", (n * 7) % 64)
+                    })
+                    .collect();
+                let records = keys
+                    .iter()
+                    .map(|key| taskstream_server::ProducerRecord::keyed(key.clone(), "1"))
+                    .collect();
+                log.append(&topic, records).expect("produce to Kafka");
+                for key in keys {
+                    *produced.entry(key).or_default() += 1;
+                }
+                // A steady trickle (about 5,000 records/s), not a flood.
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            produced
+        });
+        Flow { stop, thread }
+    }
+
+    /// Stops producing; answers what was produced, per key.
+    fn stop(self) -> BTreeMap<String, u64> {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        self.thread.join().expect("the producer thread")
+    }
+}
+
+/// The partitions of `counts` an instance says it hosts itself (its own
+/// entry of ProcessMetadataForStore); `None` while it cannot answer.
+async fn own_partitions(server: &ServerProcess) -> Option<Vec<u32>> {
+    let client = StreamsClient::connect(server.addr.as_str()).await.ok()?;
+    let metadata = client.process_metadata_for_store("counts", false).await.ok()?;
+    let own = metadata
+        .metadata
+        .into_iter()
+        .find(|m| m.host_info.as_ref().is_some_and(|h| h.port == server.port()))?;
+    let mut partitions: Vec<u32> = own.topic_partitions.iter().map(|tp| tp.partition).collect();
+    partitions.sort_unstable();
+    Some(partitions)
+}
+
+/// Whether `servers` host disjoint shares of the `partitions`, each at least one, covering all.
+async fn share_all(servers: &[&ServerProcess], partitions: u32) -> bool {
+    let mut all = Vec::new();
+    for server in servers {
+        match own_partitions(server).await {
+            Some(own) if !own.is_empty() => all.extend(own),
+            _ => return false,
+        }
+    }
+    all.sort_unstable();
+    all == (0..partitions).collect::<Vec<_>>()
+}
+
+/// The counts of `servers`' own partitions, summed per key; `None` while one cannot answer.
+async fn counts_of(servers: &[&ServerProcess]) -> Option<BTreeMap<String, u64>> {
+    let mut counts = BTreeMap::new();
+    for server in servers {
+        let partitions = own_partitions(server).await?;
+        let client = StreamsClient::connect(server.addr.as_str()).await.ok()?;
+        let request = taskstream_client::v1::QueryRequest {
+            store: "counts".into(),
+            query: Some(taskstream_client::v1::query_request::Query::Range(
+                taskstream_client::v1::RangeQuery::default(),
+            )),
+            partitions,
+            ..Default::default()
+        };
+        let response = client.query(request).await.ok()?;
+        for entry in response.results.into_iter().flat_map(|r| r.entries) {
+            let count: u64 = String::from_utf8_lossy(&entry.value).parse().ok()?;
+            *counts
+                .entry(String::from_utf8_lossy(&entry.key).into_owned())
+                .or_default() += count;
+        }
+    }
+    Some(counts)
+}
+
+fn add(a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>) -> BTreeMap<String, u64> {
+    let mut sum = a.clone();
+    for (key, n) in b {
+        *sum.entry(key.clone()).or_default() += n;
+    }
+    sum
+}
+
+/// Three instances of the server binary (memory stores) share 6 partitions
+/// while records flow. One is killed with SIGKILL: its partitions move to
+/// the two others, which restore its stores from the changelog and count
+/// every record at least once (how many twice is printed: at-least-once).
+/// Restarted, it gets partitions back and metadata shows it. Then one is
+/// stopped with SIGTERM while records flow: it commits before its
+/// partitions move, and no record is counted twice.
+#[test]
+fn instances_fail_over_on_sigkill_and_hand_over_on_sigterm() {
+    let Some(broker) = broker() else { return };
+    let application = unique("failover");
+    let topic = format!("{application}-events");
+    let dir = taskstream_server::scratch::scratch_dir("kafka-failover").expect("a scratch dir");
+    let config = dir.path().join("taskstream.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+            application_id = "{application}"
+            num_stream_threads = 2
+            commit_interval_ms = 200
+            replication_factor = 1
+            [[topics]]
+            name = "{topic}"
+            partitions = 6
+            [[pipelines]]
+            name = "counts"
+            source_topic = "{topic}"
+            processor = "count"
+            "#
+        ),
+    )
+    .expect("write the config");
+    let mut servers: Vec<ServerProcess> = (0..3)
+        .map(|_| ServerProcess::start(&config, &broker.bootstrap))
+        .collect();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let share = |servers: &[&ServerProcess]| runtime.block_on(share_all(servers, 6));
+    let counts = |servers: &[&ServerProcess]| runtime.block_on(counts_of(servers));
+    eventually("three instances share the 6 partitions", || {
+        share(&[&servers[0], &servers[1], &servers[2]])
+    });
+
+    // SIGKILL while records flow.
+    let flow = Flow::start(&broker.bootstrap, &topic);
+    eventually("the instances count records", || {
+        counts(&[&servers[0], &servers[1], &servers[2]]).is_some_and(|c| c.values().sum::<u64>() >= 3_000)
+    });
+    let victim = runtime
+        .block_on(own_partitions(&servers[1]))
+        .expect("the victim's partitions");
+    servers[1].kill();
+    let killed_at = Instant::now();
+    eventually("the survivors take over every partition", || {
+        share(&[&servers[0], &servers[2]])
+    });
+    println!(
+        "SIGKILL: partitions {victim:?} processing on the survivors after {:?}",
+        killed_at.elapsed()
+    );
+    servers[1] = ServerProcess::start(&config, &broker.bootstrap);
+    eventually(
+        "the restarted instance gets partitions back and metadata shows it",
+        || share(&[&servers[0], &servers[1], &servers[2]]),
+    );
+    let produced = flow.stop();
+    let total: u64 = produced.values().sum();
+    let mut settled = BTreeMap::new();
+    eventually("every produced record is counted at least once", || {
+        let Some(now) = counts(&[&servers[0], &servers[1], &servers[2]]) else {
+            return false;
+        };
+        let done = produced
+            .iter()
+            .all(|(key, n)| now.get(key).is_some_and(|c| c >= n));
+        settled = now;
+        done
+    });
+    let twice = settled.values().sum::<u64>() - total;
+    println!("SIGKILL: {total} records produced, {twice} applied twice (at-least-once)");
+
+    // SIGTERM while records flow: nothing twice.
+    let before = settled;
+    let before_total: u64 = before.values().sum();
+    let flow = Flow::start(&broker.bootstrap, &topic);
+    eventually("records flow again", || {
+        counts(&[&servers[0], &servers[1], &servers[2]])
+            .is_some_and(|c| c.values().sum::<u64>() >= before_total + 2_000)
+    });
+    let stopped_at = Instant::now();
+    assert!(
+        servers[0].terminate(),
+        "the instance did not exit 0 after SIGTERM"
+    );
+    eventually("the others take over its partitions", || {
+        share(&[&servers[1], &servers[2]])
+    });
+    println!(
+        "SIGTERM: every partition processing on the others after {:?}",
+        stopped_at.elapsed()
+    );
+    let produced = flow.stop();
+    let expected = add(&before, &produced);
+    let expected_total: u64 = expected.values().sum();
+    let mut last = BTreeMap::new();
+    eventually("every record produced since is counted", || {
+        let Some(now) = counts(&[&servers[1], &servers[2]]) else {
+            return false;
+        };
+        let done = now.values().sum::<u64>() >= expected_total;
+        last = now;
+        done
+    });
+    assert_eq!(last, expected, "a graceful stop applies no record twice");
 }
