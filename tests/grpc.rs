@@ -33,6 +33,7 @@ fn pipeline(
         processing_order: order,
         store: None,
         retry_policy: None,
+        sink_topic: None,
     }
 }
 

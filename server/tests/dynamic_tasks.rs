@@ -38,6 +38,7 @@ fn config(order: ProcessingOrder, t: usize, store: StoreKind, dir: Option<&std::
             processing_order: None,
             store: Some(store),
             retry_policy: None,
+            sink_topic: None,
         }],
         ..Config::default()
     }

@@ -33,6 +33,7 @@ fn config(n: usize, t: usize, order: ProcessingOrder, processor: &str) -> Config
             processing_order: None,
             store: None,
             retry_policy: None,
+            sink_topic: None,
         }],
         ..Config::default()
     }

@@ -3,6 +3,8 @@
 //! counts per key through state ops; the runtime applies what it answers,
 //! takes its failures down the retry path, fails malformed answers with the
 //! documented kinds, and waits, failing nothing, while it cannot be reached.
+//! Outputs (remote, or `ctx.emit` in Rust) land in the sink topic in the
+//! pipeline's order, and a second pipeline reading that topic chains.
 
 use bytes::Bytes;
 use std::collections::{BTreeMap, HashMap};
@@ -104,6 +106,10 @@ impl ProcessorService for Counter {
                         outputs: vec![pb::OutputRecord {
                             key: Some(key),
                             value,
+                            headers: vec![pb::Header {
+                                name: "offset".into(),
+                                value: Bytes::from(record.offset.to_string()),
+                            }],
                             ..Default::default()
                         }],
                     })),
@@ -443,4 +449,174 @@ fn an_unreachable_processor_pauses_the_pipeline_and_nothing_is_dead_lettered() {
     );
     app.shutdown().unwrap();
     drop(served);
+}
+
+/// The source offset an output came from (the test processor's `offset` header).
+fn source_offset(record: &Record) -> u64 {
+    std::str::from_utf8(header(record, "offset").expect("offset header"))
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+fn with_sink(mut config: Config, sink: &str) -> Config {
+    config.pipelines[0].sink_topic = Some(sink.into());
+    config
+}
+
+#[test]
+fn sink_topics_hold_every_output_once_in_offset_order_per_partition_and_key_order_per_key() {
+    let service = Counter {
+        max_latency_us: 5_000,
+        ..Counter::default()
+    };
+    let served = Served::start(service, "127.0.0.1:0".parse().unwrap());
+    for order in [ProcessingOrder::Offset, ProcessingOrder::Key] {
+        let mut config = with_sink(config(&served.endpoint(), 8, order, 2), "out");
+        if let ProcessorSpec::Grpc(spec) = &mut config.pipelines[0].processor {
+            spec.max_records_per_call = 4;
+        }
+        let app = StreamsApp::start(config).unwrap();
+        app.produce("in", keyed(2_000, 50)).unwrap();
+        assert!(app.wait_until_caught_up(WAIT), "{order:?}: caught up");
+        let total: usize = (0..2)
+            .map(|p| app.log().end_offset("in", p).unwrap() as usize)
+            .sum();
+        wait_for("every output in the sink topic", || {
+            ends(&app, "out").values().sum::<u64>() as usize == total
+        });
+        let sink = read_all(&app, "out");
+        for (partition, records) in &sink {
+            let offsets: Vec<u64> = records.iter().map(source_offset).collect();
+            let end = app.log().end_offset("in", *partition).unwrap();
+            if order == ProcessingOrder::Offset {
+                // Keyed outputs land in the sink partition of their key, which
+                // is the source partition (same partition count): all of it, in order.
+                assert_eq!(
+                    offsets,
+                    (0..end).collect::<Vec<_>>(),
+                    "{order:?} partition {partition}"
+                );
+            } else {
+                let mut sorted = offsets.clone();
+                sorted.sort_unstable();
+                assert_eq!(
+                    sorted,
+                    (0..end).collect::<Vec<_>>(),
+                    "{order:?} partition {partition}: each once"
+                );
+            }
+        }
+        // Per key: counts 1, 2, 3 … in source-offset order.
+        let mut per_key: HashMap<Bytes, Vec<(u64, String)>> = HashMap::new();
+        for record in sink.values().flatten() {
+            per_key.entry(record.key.clone().unwrap()).or_default().push((
+                source_offset(record),
+                String::from_utf8_lossy(&record.value).into_owned(),
+            ));
+        }
+        assert_eq!(per_key.len(), 50);
+        for (key, outputs) in per_key {
+            let key = String::from_utf8_lossy(&key).into_owned();
+            for (i, (offset, value)) in outputs.iter().enumerate() {
+                assert_eq!(
+                    value,
+                    &format!("{key}={}", i + 1),
+                    "{order:?} {key} at offset {offset}"
+                );
+            }
+            assert!(
+                outputs.windows(2).all(|w| w[0].0 < w[1].0),
+                "{order:?} {key}: offset order"
+            );
+        }
+        app.shutdown().unwrap();
+    }
+}
+
+#[test]
+fn rust_processors_emit_to_the_sink_topic_only_when_they_succeed() {
+    let processor = Arc::new(|record: &Record, ctx: &ProcessorContext<'_>| {
+        if record.value == "fail-once" && ctx.attempt == 1 {
+            ctx.emit(ProducerRecord::keyed("lost", "never appended"));
+            return Err(ProcessError::new("FailOnce", "first attempt"));
+        }
+        let mut output = ProducerRecord::keyed(record.key.clone().unwrap_or_default(), record.value.clone());
+        output
+            .headers
+            .push(("offset".into(), Bytes::from(record.offset.to_string())));
+        ctx.emit(output);
+        Ok(())
+    });
+    let mut pipeline = PipelineConfig::new("p", "in", ProcessorSpec::Custom { name: "echo".into() });
+    pipeline.partitions = Some(1);
+    pipeline.sink_topic = Some("out".into());
+    let config = Config {
+        application_id: "app".into(),
+        num_stream_threads: 4,
+        num_threads_per_task: 4,
+        commit_interval_ms: 20,
+        retry_backoff_ms: 10,
+        retry_backoff_max_ms: 50,
+        pipelines: vec![pipeline],
+        ..Config::default()
+    };
+    let app = StreamsApp::builder(config)
+        .processor("echo", processor)
+        .start()
+        .unwrap();
+    let mut records = keyed(500, 7);
+    records[100] = ProducerRecord::keyed("k2", "fail-once");
+    app.produce("in", records).unwrap();
+    assert!(app.wait_until_caught_up(WAIT));
+    wait_for("500 outputs", || app.log().end_offset("out", 0).unwrap() == 500);
+    let sink = &read_all(&app, "out")[&0];
+    assert!(
+        sink.iter().all(|r| r.key.as_deref() != Some(&b"lost"[..])),
+        "a failed attempt's outputs are dropped"
+    );
+    let offsets: Vec<u64> = sink.iter().map(source_offset).collect();
+    let mut each_once = offsets.clone();
+    each_once.sort_unstable();
+    assert_eq!(each_once, (0..500).collect::<Vec<_>>());
+    // Offset order, except that key k2's records from the retried one on
+    // wait behind it (parked on the retry path): each key keeps its order.
+    let k2 = |o: &u64| *o >= 100 && o % 7 == 2;
+    let others: Vec<u64> = offsets.iter().copied().filter(|o| !k2(o)).collect();
+    assert!(others.windows(2).all(|w| w[0] < w[1]), "{others:?}");
+    let parked: Vec<u64> = offsets.iter().copied().filter(k2).collect();
+    assert!(parked.windows(2).all(|w| w[0] < w[1]), "{parked:?}");
+    assert_eq!(app.describe().pipelines[0].sink_topic.as_deref(), Some("out"));
+    app.shutdown().unwrap();
+}
+
+#[test]
+fn a_pipeline_reading_another_pipelines_sink_topic_chains() {
+    let served = Served::start(Counter::default(), "127.0.0.1:0".parse().unwrap());
+    let mut config = with_sink(config(&served.endpoint(), 4, ProcessingOrder::Key, 3), "counted");
+    // Stage two keeps the last output per key: `<key>=<count>` of the last record.
+    config
+        .pipelines
+        .push(PipelineConfig::new("last", "counted", ProcessorSpec::Latest));
+    let app = StreamsApp::start(config).unwrap();
+    assert_eq!(
+        app.log().partitions("counted").unwrap(),
+        3,
+        "the sink takes the source's partitions"
+    );
+    app.produce("in", keyed(1_200, 11)).unwrap();
+    wait_for("both stages", || {
+        app.wait_until_caught_up(Duration::from_millis(100))
+            && ends(&app, "counted").values().sum::<u64>() == 1_200
+            && app.wait_until_caught_up(WAIT)
+    });
+    for k in 0..11 {
+        let total = (0..1_200).filter(|i| i % 11 == k).count();
+        assert_eq!(
+            app.get("last", format!("k{k}").as_bytes()).unwrap().as_deref(),
+            Some(format!("k{k}={total}").as_bytes()),
+            "key k{k}"
+        );
+    }
+    app.shutdown().unwrap();
 }

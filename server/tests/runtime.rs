@@ -30,6 +30,7 @@ fn config(n: usize, t: usize, order: ProcessingOrder, partitions: u32, processor
             processing_order: None,
             store: None,
             retry_policy: None,
+            sink_topic: None,
         }],
         ..Config::default()
     }

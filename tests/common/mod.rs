@@ -35,6 +35,7 @@ pub fn config(addr: SocketAddr, application_id: &str) -> Config {
         processing_order: Some(ProcessingOrder::Unordered),
         store: None,
         retry_policy: None,
+        sink_topic: None,
     });
     config
 }

@@ -522,6 +522,11 @@ pub struct PipelineConfig {
     /// Overrides the application's `retry_policy`.
     #[serde(default)]
     pub retry_policy: Option<RetryPolicy>,
+    /// Where the processor's output records go (`ProcessorContext::emit`, a
+    /// remote processor's outputs); created with the source's partitions
+    /// unless `[[topics]]` declares it. Another pipeline may read it.
+    #[serde(default)]
+    pub sink_topic: Option<String>,
 }
 
 /// The whole configuration of one instance. Names follow Kafka Streams.
@@ -1107,6 +1112,7 @@ impl PipelineConfig {
             processing_order: None,
             store: None,
             retry_policy: None,
+            sink_topic: None,
         }
     }
 }
@@ -1204,7 +1210,9 @@ impl Config {
             .unwrap_or(1)
     }
 
-    /// The partitions of every topic: declared topics, then pipeline sources.
+    /// The partitions of every topic: declared topics, then pipeline sources,
+    /// then sink topics (which take their pipeline's source partitions; a
+    /// pipeline reading another's sink topic takes them from there).
     pub fn topic_partitions(&self) -> Result<BTreeMap<String, u32>, ConfigError> {
         let mut topics = BTreeMap::new();
         for (i, topic) in self.topics.iter().enumerate() {
@@ -1231,9 +1239,31 @@ impl Config {
                 (None, Some(wanted)) => {
                     topics.insert(pipeline.source_topic.clone(), wanted);
                 }
+                // Another pipeline's sink topic: it takes that pipeline's source partitions.
+                (None, None) if self.is_sink_topic(&pipeline.source_topic) => {}
                 (None, None) => {
                     topics.insert(pipeline.source_topic.clone(), 1);
                 }
+            }
+        }
+        // Sink topics follow their sources, which may be sinks themselves
+        // (a chain): one pass per pipeline settles the longest chain.
+        for _ in 0..=self.pipelines.len() {
+            for pipeline in &self.pipelines {
+                if let Some(sink) = &pipeline.sink_topic
+                    && !topics.contains_key(sink)
+                    && let Some(&partitions) = topics.get(&pipeline.source_topic)
+                {
+                    topics.insert(sink.clone(), partitions);
+                }
+            }
+        }
+        // Left over only by a cycle of pipelines (each reading the next's sink).
+        for pipeline in &self.pipelines {
+            topics.entry(pipeline.source_topic.clone()).or_insert(1);
+            if let Some(sink) = &pipeline.sink_topic {
+                let partitions = topics[&pipeline.source_topic];
+                topics.entry(sink.clone()).or_insert(partitions);
             }
         }
         Ok(topics)
@@ -1298,6 +1328,12 @@ impl Config {
             ));
         }
         Ok(())
+    }
+
+    fn is_sink_topic(&self, topic: &str) -> bool {
+        self.pipelines
+            .iter()
+            .any(|p| p.sink_topic.as_deref() == Some(topic))
     }
 
     /// Checks every setting; the first problem found is returned.
@@ -1424,6 +1460,37 @@ impl Config {
                              write would lose the earlier one. Use processing_order = \"key\" or \"offset\", \
                              or set include_state = false",
                             effective.threads_per_task
+                        ),
+                    ));
+                }
+            }
+            if let Some(sink) = &pipeline.sink_topic {
+                let setting = format!("pipelines[{i}].sink_topic");
+                check_name(&setting, sink)?;
+                if *sink == pipeline.source_topic {
+                    return Err(ConfigError::new(
+                        setting,
+                        format!(
+                            "`{sink}` is the pipeline's own source topic: it would read its own outputs \
+                             forever; name another topic"
+                        ),
+                    ));
+                }
+                let internal = self.pipelines.iter().find(|p| {
+                    [
+                        self.retry_topic(&p.name),
+                        self.dead_letter_topic(&p.name),
+                        self.changelog_topic(&p.name),
+                    ]
+                    .contains(sink)
+                });
+                if let Some(owner) = internal {
+                    return Err(ConfigError::new(
+                        setting,
+                        format!(
+                            "`{sink}` is pipeline `{}`'s retry, dead-letter or changelog topic, which belongs to the runtime; \
+                             name another topic",
+                            owner.name
                         ),
                     ));
                 }
@@ -2136,6 +2203,31 @@ mod tests {
             assert_eq!(err.setting, "pipelines[0].processor", "{table}: {err}");
             assert!(err.message.contains(needle), "{table}: {err}");
         }
+    }
+
+    #[test]
+    fn sink_topics_take_their_source_partitions_along_a_chain() {
+        let config = Config::from_toml_str(
+            "[[topics]]\nname = \"in\"\npartitions = 3\n\
+             [[pipelines]]\nname = \"b\"\nsource_topic = \"a-out\"\nprocessor = \"count\"\nsink_topic = \"b-out\"\n\
+             [[pipelines]]\nname = \"a\"\nsource_topic = \"in\"\nprocessor = \"count\"\nsink_topic = \"a-out\"\n",
+        )
+        .unwrap();
+        config.validate().unwrap();
+        let topics = config.topic_partitions().unwrap();
+        assert_eq!((topics["in"], topics["a-out"], topics["b-out"]), (3, 3, 3));
+
+        let mut config = Config::embedded_default();
+        config.pipelines[0].sink_topic = Some("events".into());
+        let err = config.validate().unwrap_err();
+        assert_eq!(err.setting, "pipelines[0].sink_topic");
+        assert!(err.message.contains("own source topic"), "{err}");
+        config.pipelines[0].sink_topic = Some("taskstream-counts-dlq".into());
+        assert!(config.validate().unwrap_err().message.contains("dead-letter"));
+        config.pipelines[0].sink_topic = Some("taskstream-counts-changelog".into());
+        assert!(config.validate().unwrap_err().message.contains("changelog"));
+        config.pipelines[0].sink_topic = Some("bad name".into());
+        assert_eq!(config.validate().unwrap_err().setting, "pipelines[0].sink_topic");
     }
 
     #[test]

@@ -159,6 +159,8 @@ pub struct PipelineMetadata {
     pub dead_lettered: u64,
     /// A remote processor's reachability (`None` for an in-process one).
     pub remote_processor: Option<crate::processor::remote::ProcessorStatus>,
+    /// Where the processor's output records go, if anywhere.
+    pub sink_topic: Option<String>,
 }
 
 /// The state of an instance, as Kafka Streams names them.

@@ -250,25 +250,27 @@ impl RemoteProcessor {
         let request = self.request(call);
         let mut client = self.client.clone();
         let timeout = call.timeout;
+        // `None`: the deadline passed on this side before any answer.
         let answer = self.runtime.handle().block_on(async move {
             let mut request = tonic::Request::new(request);
             match timeout {
                 Some(limit) => {
                     request.set_timeout(limit);
-                    match tokio::time::timeout(limit, client.process(request)).await {
-                        Ok(answer) => answer,
-                        Err(_) => Err(tonic::Status::deadline_exceeded("processing_timeout_ms ran out")),
-                    }
+                    tokio::time::timeout(limit, client.process(request)).await.ok()
                 }
-                None => client.process(request).await,
+                None => Some(client.process(request).await),
             }
         });
         match answer {
-            Ok(response) => {
+            None => {
+                let error = timed_out(timeout);
+                Ok(call.records.iter().map(|_| Err(error.clone())).collect())
+            }
+            Some(Ok(response)) => {
                 self.reached();
                 Ok(results(call.records, response.into_inner()))
             }
-            Err(status) => match classify(&status, timeout) {
+            Some(Err(status)) => match classify(&status, timeout) {
                 Some(failure) => {
                     self.reached();
                     Ok(call.records.iter().map(|_| Err(failure.clone())).collect())
@@ -396,18 +398,22 @@ impl RemoteProcessor {
     }
 }
 
+fn timed_out(timeout: Option<Duration>) -> ProcessError {
+    ProcessError::new(
+        kinds::TIMEOUT,
+        format!(
+            "no answer within processing_timeout_ms ({} ms)",
+            timeout.map_or(0, |t| t.as_millis())
+        ),
+    )
+}
+
 /// A status that is an answer about the call's records (they fail), or
 /// `None` when it says the processor could not be reached.
 fn classify(status: &tonic::Status, timeout: Option<Duration>) -> Option<ProcessError> {
     use tonic::Code;
     match status.code() {
-        Code::DeadlineExceeded => Some(ProcessError::new(
-            kinds::TIMEOUT,
-            format!(
-                "no answer within processing_timeout_ms ({} ms)",
-                timeout.map_or(0, |t| t.as_millis())
-            ),
-        )),
+        Code::DeadlineExceeded => Some(timed_out(timeout)),
         Code::Unavailable => None,
         // tonic's own limit on a decoded message; the processor never sends this code for it.
         Code::OutOfRange if status.message().contains("message length too large") => Some(ProcessError::new(

@@ -8,7 +8,7 @@ use super::app::{AppInner, StreamsApp};
 use super::commit::Committer;
 use super::membership::Membership;
 use super::scheduler::{PipelineNames, Scheduler};
-use super::shared::{CommitCallback, CommitReport, PipelineProcessor, PipelineRuntime, Shared};
+use super::shared::{CommitCallback, CommitReport, PipelineProcessor, PipelineRuntime, Shared, SinkTopic};
 use super::{RuntimeError, driver, recovery};
 use crate::config::ProcessorSpec;
 use crate::config::{Config, ConfigError};
@@ -276,6 +276,13 @@ fn layout_pipeline(
         }
         None => None,
     };
+    let sink = match &pipeline.sink_topic {
+        Some(topic) => Some(SinkTopic {
+            topic: topic.as_str().into(),
+            partitions: log.partitions(topic)?,
+        }),
+        None => None,
+    };
     let effective = config.effective_order(pipeline);
     Ok(PipelineRuntime {
         name: pipeline.name.as_str().into(),
@@ -290,6 +297,7 @@ fn layout_pipeline(
         retry_topic: retry_topic.into(),
         dead_letter_topic: dead_letter_topic.into(),
         changelog_topic,
+        sink,
     })
 }
 

@@ -94,6 +94,16 @@ fn freeze(shared: &Shared, item: &CommitItem) -> Result<FreezeResult, String> {
     })
 }
 
+/// Appends the outputs released so far by the tasks of `items`: with the
+/// log's flush after it, no commit covers a record whose outputs are not
+/// durably in the sink topic (at-least-once).
+fn drain_sinks(shared: &Shared, items: &[CommitItem]) -> Result<(), String> {
+    for sink in items.iter().filter_map(|item| item.sink.as_deref()) {
+        sink.drain(shared)?;
+    }
+    Ok(())
+}
+
 /// Carries out commits due now: freezes first (a task waiting idle for its
 /// freeze resumes as soon as it is done), then writes them inline or hands
 /// them to the committer.
@@ -101,7 +111,7 @@ pub(crate) fn run(shared: &Shared, items: Vec<CommitItem>) {
     if items.is_empty() {
         return;
     }
-    if let Err(error) = shared.flush_log() {
+    if let Err(error) = drain_sinks(shared, &items).and_then(|()| shared.flush_log()) {
         // Nothing frozen yet: a task waiting idle for its freeze resumes, and
         // every commit is tried again at the next round.
         let mut scheduler = shared.lock();
@@ -289,7 +299,7 @@ fn commit_positions(shared: &Shared, item: &CommitItem) -> Result<(), String> {
 /// callback; answers the error, if any.
 pub(crate) fn final_commit(shared: &Shared, item: &CommitItem) -> Result<(), String> {
     let _serial = shared.commit_lock.lock().unwrap_or_else(|e| e.into_inner());
-    if let Err(error) = shared.flush_log() {
+    if let Err(error) = drain_sinks(shared, std::slice::from_ref(item)).and_then(|()| shared.flush_log()) {
         failed(shared, item, &error);
         return Err(error);
     }

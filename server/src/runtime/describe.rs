@@ -137,6 +137,7 @@ fn pipeline_metadata(
             .map(|partition| super::commit::dead_lettered(shared, &p.dead_letter_topic, partition))
             .sum(),
         remote_processor: p.processor.remote().map(|remote| remote.status()),
+        sink_topic: p.sink.as_ref().map(|sink| sink.topic.to_string()),
     }
 }
 

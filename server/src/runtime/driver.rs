@@ -207,6 +207,7 @@ fn run_unit(shared: &Shared, me: usize, task: usize, unit: WorkUnit, context: Un
     let started = Instant::now();
     let done = span.in_scope(|| process::run_unit(shared, &context, unit));
     context.count_busy(if context.owner { "owner" } else { "helper" }, started.elapsed());
+    let sink = context.sink.clone();
     drop(context);
     let commit = {
         let mut scheduler = shared.lock();
@@ -215,8 +216,20 @@ fn run_unit(shared: &Shared, me: usize, task: usize, unit: WorkUnit, context: Un
         commit
     };
     guard.done();
+    drain_sink(shared, sink.as_deref());
     if let Some(item) = commit {
         super::commit::run(shared, vec![item]);
+    }
+}
+
+/// Appends the outputs a completion released (outside the scheduler's lock).
+/// A failure leaves them queued: the next drain, or the commit that needs
+/// them (which then fails), tries again.
+fn drain_sink(shared: &Shared, sink: Option<&super::sink::SinkQueue>) {
+    if let Some(sink) = sink
+        && let Err(error) = sink.drain(shared)
+    {
+        tracing::error!(%error, "output records wait for the next attempt");
     }
 }
 
@@ -299,6 +312,7 @@ fn run_retries(shared: &Shared, me: usize, task: usize, items: Vec<RetryItem>, c
     let started = Instant::now();
     let done = span.in_scope(|| process::run_retries(shared, &context, items.clone()));
     context.count_busy("retry", started.elapsed());
+    let sink = context.sink.clone();
     drop(context);
     let commit = {
         let mut scheduler = shared.lock();
@@ -308,6 +322,7 @@ fn run_retries(shared: &Shared, me: usize, task: usize, items: Vec<RetryItem>, c
         commit
     };
     guard.done();
+    drain_sink(shared, sink.as_deref());
     if let Some(item) = commit {
         super::commit::run(shared, vec![item]);
     }

@@ -11,6 +11,7 @@
 //! - `commit`, `recovery`: commit rounds and final commits; where a task resumes.
 //! - `retry`, `retry_queue`: the retry topic's format, and each task's queue of it.
 //! - `changelog`: a store's changelog on Kafka (sent at commits, restored from).
+//! - `sink`: output records on their way to the pipeline's sink topic, in its order.
 //! - `subscription`: outcome feeds and subscribers.
 //! - `membership`: Kafka mode's consumer group turned into added and removed tasks.
 //! - `app`, `builder`: the library API.
@@ -36,6 +37,7 @@ mod retry_queue;
 mod scheduler;
 mod sequencer;
 mod shared;
+mod sink;
 mod stores;
 mod subscription;
 mod task;

@@ -142,11 +142,33 @@ fn attempt(
             "a remote pipeline's record was run without its processor's answer",
         )),
     };
+    // Outputs are checked against the sink topic before anything applies, so
+    // one the sink cannot take fails its record instead of the append.
+    let result = result.and_then(|()| match &pipeline.sink {
+        Some(sink) => {
+            let outputs = outputs.take();
+            match outputs
+                .iter()
+                .find_map(|o| o.partition.filter(|&p| p >= sink.partitions))
+            {
+                Some(partition) => Err(ProcessError::new(
+                    crate::processor::remote::kinds::INVALID_OUTPUT,
+                    format!(
+                        "an output names partition {partition} of sink topic `{}`, which has {}",
+                        sink.topic, sink.partitions
+                    ),
+                )),
+                None => Ok(outputs),
+            }
+        }
+        // No sink topic: outputs have nowhere to go.
+        None => Ok(Vec::new()),
+    });
     *buffer = match result {
-        Ok(()) => store.succeed(|writes| context.store.apply(tag, writes, context.settled_below)),
+        Ok(_) => store.succeed(|writes| context.store.apply(tag, writes, context.settled_below)),
         Err(_) => store.discard(),
     };
-    result.map(|()| outputs.take())
+    result
 }
 
 /// Applies a remote processor's answer for one record inside its attempt.
@@ -195,14 +217,18 @@ fn attempt_alone(
 const APPEND_BACKOFF_FIRST: Duration = Duration::from_millis(10);
 const APPEND_BACKOFF_MAX: Duration = Duration::from_secs(2);
 
-/// Appends failed records to the retry or dead-letter topic. The append is not
-/// flushed here: a commit flushes the log before it covers these records (see
-/// `commit.rs`), so they count as completed only once they are durably on
-/// their path, and a unit does not wait for an fsync. While the log cannot
+/// Appends failed records to the retry or dead-letter topic, or outputs to a
+/// sink topic. The append is not flushed here: a commit flushes the log before
+/// it covers these records (see `commit.rs`), so they count as completed only
+/// once they are durably on their path, and a unit does not wait for an fsync. While the log cannot
 /// write (a full disk) the thread waits for it to heal, with backoff, rather
 /// than lose the records' retries; it gives up only on an error no wait can
 /// mend (an unknown topic) or when the app shuts down.
-fn append_failed(shared: &Shared, topic: &str, records: Vec<ProducerRecord>) -> Result<(), String> {
+pub(crate) fn append_with_backoff(
+    shared: &Shared,
+    topic: &str,
+    records: Vec<ProducerRecord>,
+) -> Result<(), String> {
     use crate::log::LogError;
     if records.is_empty() {
         return Ok(());
@@ -435,7 +461,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         (&pipeline.dead_letter_topic, to_dead_letter),
     ] {
         let (indices, produced): (Vec<usize>, Vec<ProducerRecord>) = entries.into_iter().unzip();
-        match append_failed(shared, topic, produced) {
+        match append_with_backoff(shared, topic, produced) {
             Ok(()) => {
                 if Arc::ptr_eq(topic, &pipeline.retry_topic) && context.gating != Gating::Off {
                     retry_keys.extend(indices.iter().filter_map(|&i| outcomes[i].key.clone()));
@@ -462,6 +488,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         outcomes,
         returned,
         retry_keys,
+        outputs: emitted,
     }
 }
 
@@ -486,7 +513,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
     // The remote processor could not be reached: the items left wait untouched.
     let mut unreachable = false;
     // Output records of the processed items, by source offset.
-    let mut emitted: Vec<(u64, Vec<ProducerRecord>)> = Vec::new();
+    let mut emitted: Vec<ProducerRecord> = Vec::new();
     for mut item in items {
         let blocked = keyed
             && item
@@ -514,7 +541,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
         };
         let next = match result {
             Ok(outputs) => {
-                emitted.push((item.record.offset, outputs));
+                emitted.extend(outputs);
                 Next::Processed
             }
             Err(error) => {
@@ -545,7 +572,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
         .map(|(item, _)| retry::failed_record(&pipeline.topic, &item.record, &item.failure))
         .collect();
     // Refused by the dead-letter topic: the record stays on the retry path.
-    let dead_lettered = append_failed(shared, &pipeline.dead_letter_topic, dead).is_ok();
+    let dead_lettered = append_with_backoff(shared, &pipeline.dead_letter_topic, dead).is_ok();
     let mut finished = Vec::new();
     let mut again = Vec::new();
     let mut outcomes = Vec::with_capacity(attempted.len());
@@ -601,6 +628,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
         finished,
         again,
         outcomes,
+        outputs: emitted,
     }
 }
 

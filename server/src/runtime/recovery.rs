@@ -143,6 +143,7 @@ pub(crate) fn plan(
         gated_keys: if keyed { backlog.pending_keys } else { Vec::new() },
         store: Arc::new(store),
         restore,
+        sink_topic: p.sink.as_ref().map(|sink| sink.topic.clone()),
         max_batch_records: config.max_batch_records,
         max_in_flight_records: config.max_in_flight_records,
         outcome_retention_records: config.outcome_retention_records,

@@ -372,6 +372,7 @@ impl Scheduler {
             settled_below: t.watermark(),
             record_threads: t.held_release(),
             owner: t.owner() == thread,
+            sink: t.sink().cloned(),
         }
     }
 
@@ -591,14 +592,7 @@ impl Scheduler {
         let make_batch = self.make_batch(t);
         let task = self.task_mut(t);
         let pipeline = task.pipeline();
-        let batch = task.finish_unit(
-            done.lane,
-            &thread,
-            done.outcomes,
-            done.returned,
-            &done.retry_keys,
-            make_batch,
-        );
+        let batch = task.finish_unit(&thread, done, make_batch);
         self.publish(pipeline, batch);
         self.commit_if_ready(t)
     }
@@ -639,7 +633,14 @@ impl Scheduler {
         let make_batch = self.make_batch(t);
         let task = self.task_mut(t);
         let pipeline = task.pipeline();
-        let batch = task.finish_retries(&thread, &done.finished, done.again, done.outcomes, make_batch);
+        let batch = task.finish_retries(
+            &thread,
+            &done.finished,
+            done.again,
+            done.outcomes,
+            done.outputs,
+            make_batch,
+        );
         self.publish(pipeline, batch);
         self.commit_if_ready(t)
     }

@@ -45,6 +45,15 @@ pub(crate) struct PipelineRuntime {
     /// whose memory stores replay the source and whose persistent stores
     /// stay on this machine).
     pub(crate) changelog_topic: Option<Arc<str>>,
+    /// Where the pipeline's output records go, if anywhere.
+    pub(crate) sink: Option<SinkTopic>,
+}
+
+/// A pipeline's sink topic and its partitions (an output's explicit
+/// partition must be below).
+pub(crate) struct SinkTopic {
+    pub(crate) topic: Arc<str>,
+    pub(crate) partitions: u32,
 }
 
 /// What runs a pipeline's records: code in this process, or a user's

@@ -15,12 +15,14 @@
 use super::attempt::KeyLocks;
 use super::retry::RetryItem;
 use super::retry_queue::RetryQueue;
+use super::scheduler::UnitDone;
 use super::sequencer::Sequencer;
+use super::sink::{SinkHold, SinkQueue};
 use super::stores::TaskStore;
 use super::subscription::History;
 use super::work::{Gating, WorkQueue, WorkUnit};
 use crate::config::ProcessingOrder;
-use crate::log::Record;
+use crate::log::{ProducerRecord, Record};
 use crate::metadata::{Outcome, OutcomeBatch, RecordOutcome};
 use bytes::Bytes;
 use std::collections::HashSet;
@@ -116,6 +118,8 @@ pub(crate) struct TaskInit {
     pub(crate) gated_keys: Vec<Bytes>,
     pub(crate) store: Arc<TaskStore>,
     pub(crate) restore: Option<Restore>,
+    /// The pipeline's sink topic, if it has one.
+    pub(crate) sink_topic: Option<Arc<str>>,
     pub(crate) max_batch_records: usize,
     pub(crate) max_in_flight_records: usize,
     pub(crate) outcome_retention_records: usize,
@@ -139,6 +143,10 @@ pub(crate) struct Task {
     retry: RetryQueue,
     store: Arc<TaskStore>,
     locks: Arc<KeyLocks>,
+    /// Released outputs on their way to the sink topic (the pipeline has one).
+    sink: Option<Arc<SinkQueue>>,
+    /// Outputs of records completed above the watermark (`held_release`).
+    sink_hold: SinkHold,
     fetching: bool,
     /// Bumped by every append to the source partition; equal to `fetched_gen`
     /// once a fetch found nothing new, so idle tasks are not polled.
@@ -195,6 +203,8 @@ impl Task {
             retry: init.retry,
             store: init.store,
             locks: Arc::new(KeyLocks::default()),
+            sink: init.sink_topic.map(|topic| Arc::new(SinkQueue::new(topic))),
+            sink_hold: SinkHold::default(),
             fetching: false,
             append_gen: 1,
             fetched_gen: 0,
@@ -256,6 +266,10 @@ impl Task {
     /// Threads inside the task at this instant.
     pub(crate) fn active(&self) -> usize {
         self.active
+    }
+
+    pub(crate) fn sink(&self) -> Option<&Arc<SinkQueue>> {
+        self.sink.as_ref()
     }
 
     pub(crate) fn store(&self) -> &Arc<TaskStore> {
@@ -469,21 +483,25 @@ impl Task {
         self.work.give_back(unit.lane, unit.records);
     }
 
-    /// A unit came back: `outcomes` of the records it completed, `returned`
-    /// ones it did not run, and one key per entry it put on the retry path.
+    /// A unit came back: outcomes of the records it completed, records it
+    /// did not run, one key per entry it put on the retry path, and outputs.
     /// Answers the batches released to subscribers (published by the caller).
     pub(crate) fn finish_unit(
         &mut self,
-        lane: Option<usize>,
         thread: &Arc<str>,
-        outcomes: Vec<RecordOutcome>,
-        returned: Vec<Record>,
-        retry_keys: &[Bytes],
+        done: UnitDone,
         make_batch: impl Fn(&Arc<str>, Vec<RecordOutcome>) -> OutcomeBatch,
     ) -> Option<Arc<OutcomeBatch>> {
+        let UnitDone {
+            lane,
+            outcomes,
+            returned,
+            retry_keys,
+            outputs,
+        } = done;
         self.active -= 1;
         self.work.give_back(lane, returned);
-        for key in retry_keys {
+        for key in &retry_keys {
             self.work.gate_key(key);
         }
         self.count(&outcomes);
@@ -501,6 +519,19 @@ impl Task {
             }
             outcomes
         };
+        if let Some(sink) = &self.sink {
+            // Offset order: outputs go out with their outcomes, once every
+            // earlier record is done. Otherwise as the unit completes (a
+            // key's units run one at a time, so its outputs keep its order).
+            if self.held_release {
+                for (offset, records) in outputs {
+                    self.sink_hold.hold(offset, records);
+                }
+                self.sink_hold.release_below(self.seq.watermark(), sink);
+            } else {
+                sink.push(outputs.into_iter().flat_map(|(_, records)| records));
+            }
+        }
         self.publish(thread, released, make_batch)
     }
 
@@ -564,8 +595,14 @@ impl Task {
         finished: &[(u64, u64, Option<Bytes>)],
         again: Vec<RetryItem>,
         outcomes: Vec<RecordOutcome>,
+        outputs: Vec<ProducerRecord>,
         make_batch: impl Fn(&Arc<str>, Vec<RecordOutcome>) -> OutcomeBatch,
     ) -> Option<Arc<OutcomeBatch>> {
+        // A retried record is below the watermark already: its outputs go
+        // out when it succeeds, after those of the records that passed it.
+        if let Some(sink) = &self.sink {
+            sink.push(outputs);
+        }
         self.retry.complete(finished, again);
         for (_, _, key) in finished {
             if let Some(key) = key {

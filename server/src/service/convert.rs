@@ -256,6 +256,7 @@ fn pipeline_metadata(pipeline: &PipelineMetadata) -> pb::PipelineMetadata {
                 last_error: status.last_error.clone().unwrap_or_default(),
                 unreachable_calls: status.unreachable_calls,
             }),
+        sink_topic: pipeline.sink_topic.clone().unwrap_or_default(),
     }
 }
 

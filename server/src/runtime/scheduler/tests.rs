@@ -50,6 +50,7 @@ fn init(partition: u32, order: ProcessingOrder, t: usize, start: u64, batch: usi
         gated_keys: Vec::new(),
         store: Arc::new(TaskStore::memory()),
         restore: None,
+        sink_topic: None,
         max_batch_records: batch,
         max_in_flight_records: 1_000,
         outcome_retention_records: 10_000,
@@ -92,6 +93,7 @@ fn done(context: &UnitContext, unit: &WorkUnit) -> UnitDone {
         outcomes: processed(context, &unit.records),
         returned: Vec::new(),
         retry_keys: Vec::new(),
+        outputs: Vec::new(),
     }
 }
 
@@ -269,6 +271,7 @@ fn a_retry_never_runs_before_its_first_outcome_is_published() {
             outcomes: failed,
             returned: Vec::new(),
             retry_keys,
+            outputs: Vec::new(),
         },
     );
     assert!(
@@ -293,6 +296,7 @@ fn key_order_holds_a_failed_keys_later_records_until_its_retry_is_final() {
             outcomes: failed,
             returned: Vec::new(),
             retry_keys: vec![Bytes::from_static(b"k")],
+            outputs: Vec::new(),
         },
     );
     // Two more records of `k` arrive: held, not handed out, not parked.
@@ -378,6 +382,7 @@ fn a_unit_is_cut_short_by_time_and_the_rest_runs_next_in_order() {
             outcomes: processed(&context, ran),
             returned: rest.to_vec(),
             retry_keys: Vec::new(),
+            outputs: Vec::new(),
         },
     );
     assert_eq!(s.task(task).unwrap().watermark(), 3);
@@ -426,6 +431,7 @@ fn retry_succeeds(s: &mut Scheduler, thread: usize, task: usize, item: RetryItem
                         finished,
                         again: Vec::new(),
                         outcomes,
+                        outputs: Vec::new(),
                     },
                 );
                 return;
@@ -599,6 +605,7 @@ impl Model {
                         outcomes: processed(&context, done_records),
                         returned: rest.to_vec(),
                         retry_keys: Vec::new(),
+                        outputs: Vec::new(),
                     },
                 );
             }

@@ -4,10 +4,11 @@
 
 use super::super::attempt::KeyLocks;
 use super::super::retry::RetryItem;
+use super::super::sink::SinkQueue;
 use super::super::stores::TaskStore;
 use super::super::task::{RestoreFrom, Task};
 use super::super::work::{Gating, WorkUnit};
-use crate::log::Record;
+use crate::log::{ProducerRecord, Record};
 use crate::metadata::RecordOutcome;
 use bytes::Bytes;
 use std::sync::Arc;
@@ -108,6 +109,8 @@ pub(crate) struct UnitContext {
     pub(crate) record_threads: bool,
     /// The thread is the task's owner (else a helper, or lent to its retries).
     pub(crate) owner: bool,
+    /// The task's queue of outputs for the sink topic (the pipeline has one).
+    pub(crate) sink: Option<Arc<SinkQueue>>,
 }
 
 impl UnitContext {
@@ -135,6 +138,8 @@ pub(crate) struct CommitItem {
     /// A memory store with a changelog: the keys it wrote are sent there
     /// before the positions are committed.
     pub(crate) memory: Option<Arc<TaskStore>>,
+    /// The task's released outputs, appended before the commit is written.
+    pub(crate) sink: Option<Arc<SinkQueue>>,
     /// The positions committed before, so a log commit writes only what moved.
     pub(crate) committed_offset: u64,
     pub(crate) committed_retry_offset: u64,
@@ -193,6 +198,8 @@ pub(crate) struct UnitDone {
     pub(crate) returned: Vec<Record>,
     /// One key per entry it put on the retry path.
     pub(crate) retry_keys: Vec<Bytes>,
+    /// Output records of the records it processed, by source offset, in processing order.
+    pub(crate) outputs: Vec<(u64, Vec<ProducerRecord>)>,
 }
 
 /// Retry items as they came back from their thread.
@@ -201,6 +208,8 @@ pub(crate) struct RetriesDone {
     pub(crate) finished: Vec<(u64, u64, Option<Bytes>)>,
     pub(crate) again: Vec<RetryItem>,
     pub(crate) outcomes: Vec<RecordOutcome>,
+    /// Output records of the items processed, in processing order.
+    pub(crate) outputs: Vec<ProducerRecord>,
 }
 
 /// What freezing a persistent store's commit came to (see `commit.rs`).
@@ -234,6 +243,7 @@ impl CommitItem {
             store: task.is_persistent().then(|| task.store().clone()),
             memory: (!task.is_persistent() && task.store().changelog().is_some())
                 .then(|| task.store().clone()),
+            sink: task.sink().cloned(),
             committed_offset: task.committed(),
             committed_retry_offset: task.retry().committed(),
         }
