@@ -56,6 +56,10 @@ struct Cli {
     /// picks a free port), e.g. 127.0.0.1:9464. Off when absent.
     #[arg(long, env = "TASKSTREAM_METRICS_LISTEN", value_name = "ADDR")]
     metrics_listen: Option<String>,
+
+    /// Do not serve gRPC server reflection (the same as --reflection false).
+    #[arg(long, conflicts_with = "reflection")]
+    no_reflection: bool,
 }
 
 /// The binary's flags: `Cli` plus one flag per setting of `config::SETTINGS`
@@ -133,6 +137,9 @@ fn load_settings(cli: &Cli, flags: &clap::ArgMatches) -> Result<Settings, Config
             pipeline.store = None;
         }
     }
+    if cli.no_reflection {
+        config.reflection = false;
+    }
     parse_host_port(&cli.listen).map_err(|m| {
         ConfigError::new(
             "listen",
@@ -140,6 +147,10 @@ fn load_settings(cli: &Cli, flags: &clap::ArgMatches) -> Result<Settings, Config
         )
     })?;
     config.validate()?;
+    // Read now, so that a tokens file that cannot be used stops the start with exit code 2.
+    if let Some(path) = &config.auth_tokens {
+        service::Tokens::load(path).map_err(|e| ConfigError::new("auth_tokens", e.to_string()))?;
+    }
     Ok(Settings {
         config,
         application_server_set,

@@ -611,6 +611,11 @@ pub struct Config {
     /// Keys longer than this are kept in record outcomes (streams and their history) cut to
     /// this many bytes, the last 8 of them a hash of the whole key.
     pub outcome_key_bytes: usize,
+    /// File of bearer tokens and their roles, one `TOKEN ROLE` per line; without it every
+    /// caller may call everything (keep such a server on a trusted network).
+    pub auth_tokens: Option<PathBuf>,
+    /// Serve gRPC server reflection (grpcurl without a .proto).
+    pub reflection: bool,
 }
 
 /// librdkafka settings that taskstream sets itself: a `[kafka]` table may not
@@ -721,6 +726,8 @@ impl Default for Config {
             max_concurrent_streams: 1024,
             max_subscribers: 4096,
             outcome_key_bytes: 1024,
+            auth_tokens: None,
+            reflection: true,
         }
     }
 }
@@ -1019,6 +1026,21 @@ pub const SETTINGS: &[Setting] = &[
         "BYTES",
         parse_number,
         "Keys longer than this are kept in record outcomes cut to this size, the last 8 bytes a hash of the key."
+    ),
+    setting!(
+        auth_tokens,
+        Some("auth-tokens"),
+        "FILE",
+        parse_dir,
+        "Bearer tokens and their roles (read, write, admin), one `TOKEN ROLE` per line; without it every \
+         caller may call everything."
+    ),
+    setting!(
+        reflection,
+        Some("reflection"),
+        SWITCH,
+        parse_bool,
+        "Serve gRPC server reflection (default true; --no-reflection turns it off)."
     ),
 ];
 

@@ -31,6 +31,7 @@ mod membership;
 mod pages;
 mod process;
 mod recovery;
+mod redrive;
 mod remote_calls;
 pub mod retry;
 mod retry_queue;
@@ -47,6 +48,7 @@ pub use app::StreamsApp;
 pub use builder::AppBuilder;
 pub use error::{MAX_ECHO_BYTES, RuntimeError, echo, echo_up_to};
 pub use pages::{RangePage, RangeResume, record_bytes};
+pub use redrive::Redrive;
 pub use shared::CommitReport;
 
 /// Milliseconds since the Unix epoch (0 if the clock is before it).

@@ -31,6 +31,9 @@ pub mod headers {
     pub const VOID: &str = "taskstream.retry.void";
     /// Prefix of every header the runtime adds; removed before a retry attempt.
     pub(crate) const PREFIXES: [&str; 3] = ["__streams.errors.", "taskstream.errors.", "taskstream.retry."];
+    /// Header namespaces that belong to the runtime: client records may not carry them
+    /// (a forged `taskstream.retry.void` could void pending retries).
+    pub const RESERVED_PREFIXES: [&str; 2] = ["taskstream.", "__streams."];
 }
 
 /// Why a record is on the retry path and what happened to it so far.

@@ -3,7 +3,7 @@
 
 use super::convert;
 use super::status::to_status;
-use crate::runtime::StreamsApp;
+use crate::runtime::{Redrive, RuntimeError, StreamsApp};
 use taskstream::v1 as pb;
 use taskstream::v1::admin_service_server::AdminService;
 use tonic::{Request, Response, Status};
@@ -55,6 +55,57 @@ impl AdminService for AdminHandler {
         Ok(Response::new(pb::RemoveStreamThreadResponse {
             thread_name,
             num_stream_threads,
+        }))
+    }
+
+    async fn redrive_dead_letters(
+        &self,
+        request: Request<pb::RedriveDeadLettersRequest>,
+    ) -> Result<Response<pb::RedriveDeadLettersResponse>, Status> {
+        let request = request.into_inner();
+        super::request::check_name("pipeline", &request.pipeline).map_err(to_status)?;
+        let which = match (request.all, request.offsets.is_empty()) {
+            (true, true) => Redrive::All,
+            (true, false) => {
+                return Err(to_status(RuntimeError::invalid_argument(
+                    "offsets",
+                    "give offsets or set `all`, not both",
+                )));
+            }
+            (false, _) => Redrive::Offsets(
+                request
+                    .offsets
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &offset)| {
+                        u64::try_from(offset).map_err(|_| {
+                            to_status(RuntimeError::invalid_argument(
+                                format!("offsets[{i}]"),
+                                format!("{offset} is negative; offsets start at 0"),
+                            ))
+                        })
+                    })
+                    .collect::<Result<_, _>>()?,
+            ),
+        };
+        let app = self.app.clone();
+        let pipeline = request.pipeline.clone();
+        let partition = request.partition;
+        // Reads and appends to the log: off the async workers.
+        let positions =
+            tokio::task::spawn_blocking(move || app.redrive_dead_letters(&pipeline, partition, &which))
+                .await
+                .map_err(|e| to_status(RuntimeError::Internal(format!("redrive task failed: {e}"))))?
+                .map_err(to_status)?;
+        tracing::info!(
+            pipeline = %request.pipeline,
+            partition,
+            redriven = positions.len(),
+            "dead letters redriven"
+        );
+        Ok(Response::new(pb::RedriveDeadLettersResponse {
+            redriven: positions.len() as u64,
+            retry_positions: positions.iter().map(convert::record_position).collect(),
         }))
     }
 }

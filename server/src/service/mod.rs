@@ -5,6 +5,7 @@
 //! where errors become `Status`. The service knows nothing of threads.
 
 mod admin;
+mod auth;
 mod convert;
 mod outcomes;
 mod request;
@@ -14,11 +15,12 @@ mod telemetry;
 mod wire;
 
 pub use admin::AdminHandler;
+pub use auth::{Auth, AuthLayer, Caller, Role, Tokens, TokensError, required_role, role_of};
 pub use outcomes::STREAM_CHANNEL_CAPACITY;
 pub use status::{
     ERROR_DOMAIN, MESSAGE_SIZE_SETTING, PRECONDITION_PROCESSING_ORDER, REASON_LIMIT_EXCEEDED,
-    REASON_OFFSET_OUT_OF_RANGE, REASON_OFFSET_PAST_END, REASON_SUBSCRIBER_LAGGED, ServiceError,
-    from_transport, to_status,
+    REASON_OFFSET_OUT_OF_RANGE, REASON_OFFSET_PAST_END, REASON_ROLE_REQUIRED, REASON_SUBSCRIBER_LAGGED,
+    ServiceError, from_transport, to_status,
 };
 pub use streams::StreamsHandler;
 pub use telemetry::{RpcTelemetry, RpcTelemetryLayer, code_name};
@@ -61,6 +63,9 @@ pub enum ServeError {
     #[error("cannot build the reflection service: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
 
+    #[error(transparent)]
+    Tokens(#[from] TokensError),
+
     #[error("the gRPC server failed: {0}")]
     Transport(#[from] tonic::transport::Error),
 
@@ -102,8 +107,21 @@ pub async fn serve(
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_types::pb::FILE_DESCRIPTOR_SET)
     };
-    let reflection_v1 = reflection().build_v1()?;
-    let reflection_v1alpha = reflection().build_v1alpha()?;
+    let (reflection_v1, reflection_v1alpha) = match app.config().reflection {
+        true => (
+            Some(reflection().build_v1()?),
+            Some(reflection().build_v1alpha()?),
+        ),
+        false => (None, None),
+    };
+    // Read before serving: a tokens file that cannot be used stops the server.
+    let tokens = match &app.config().auth_tokens {
+        Some(path) => Some(Tokens::load(path)?),
+        None => None,
+    };
+    if tokens.is_none() {
+        tracing::warn!("no auth_tokens: every caller may call every RPC; serve on a trusted network only");
+    }
 
     if let Ok(address) = listener.local_addr() {
         tracing::info!(%address, "serving gRPC");
@@ -120,9 +138,10 @@ pub async fn serve(
             // Telemetry outside, so it counts the codes clients see.
             .layer(RpcTelemetryLayer)
             .layer(WireStatusLayer)
+            .layer(AuthLayer::new(tokens))
             .add_service(health_service)
-            .add_service(reflection_v1)
-            .add_service(reflection_v1alpha)
+            .add_optional_service(reflection_v1)
+            .add_optional_service(reflection_v1alpha)
             .add_service(
                 StreamsServiceServer::new(StreamsHandler::new(app.clone()))
                     .max_decoding_message_size(max_message)

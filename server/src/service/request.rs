@@ -6,6 +6,7 @@
 use crate::config::Config;
 use crate::log::ProducerRecord;
 use crate::runtime::RangeResume;
+use crate::runtime::retry::headers::RESERVED_PREFIXES;
 use crate::runtime::{EndAt, StartAt, SubscribeRequest};
 use crate::runtime::{MAX_ECHO_BYTES, RuntimeError, echo};
 use std::collections::{BTreeMap, HashMap};
@@ -299,6 +300,22 @@ fn producer_record(
             "max_header_bytes",
             header_bytes,
             limits.max_header_bytes,
+        ));
+    }
+    // Sorted, so that with several reserved names the reported one is stable.
+    if let Some(name) = record
+        .headers
+        .keys()
+        .filter(|name| RESERVED_PREFIXES.iter().any(|prefix| name.starts_with(prefix)))
+        .min()
+    {
+        return Err(RuntimeError::invalid_argument(
+            format!("records[{index}].headers"),
+            format!(
+                "`{}` is in a namespace of the runtime (`taskstream.`, `__streams.`): client records \
+                 may not carry it; rename the header",
+                echo(name)
+            ),
         ));
     }
     let timestamp_ms = match record.timestamp_ms {

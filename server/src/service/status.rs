@@ -32,6 +32,9 @@ pub const REASON_LIMIT_EXCEEDED: &str = "LIMIT_EXCEEDED";
 /// The setting that bounds a request or response message.
 pub const MESSAGE_SIZE_SETTING: &str = "max_message_bytes";
 
+/// `ErrorInfo.reason` of PERMISSION_DENIED; metadata `role` is the role the call needs.
+pub const REASON_ROLE_REQUIRED: &str = "ROLE_REQUIRED";
+
 /// Longest server-written sentence in an answer (it may hold echoes, each cut already).
 const MAX_SENTENCE_BYTES: usize = 1024;
 
@@ -59,6 +62,17 @@ pub enum ServiceError {
         missed_batches: u64,
         buffer_batches: usize,
     },
+
+    /// The server checks tokens and the call carried none it knows.
+    #[error(
+        "this server needs a bearer token: send `authorization: Bearer TOKEN` (the CLI's --token, \
+         TASKSTREAM_TOKEN)"
+    )]
+    Unauthenticated,
+
+    /// The caller's role is below what the call needs.
+    #[error("permission denied: {what} needs the `{needed}` role")]
+    PermissionDenied { needed: &'static str, what: String },
 }
 
 /// Maps an error to the status a client sees. Messages are meant for people;
@@ -193,6 +207,16 @@ pub fn to_status(error: impl Into<ServiceError>) -> Status {
                 ),
             )
         }
+        ServiceError::Unauthenticated => Status::unauthenticated(message),
+        ServiceError::PermissionDenied { needed, .. } => Status::with_error_details(
+            Code::PermissionDenied,
+            message,
+            ErrorDetails::with_error_info(
+                REASON_ROLE_REQUIRED,
+                ERROR_DOMAIN,
+                HashMap::from([("role".to_string(), (*needed).to_string())]),
+            ),
+        ),
         ServiceError::SubscriberLagged {
             missed_batches,
             buffer_batches,
@@ -217,8 +241,15 @@ pub fn to_status(error: impl Into<ServiceError>) -> Status {
 fn bounded(error: ServiceError) -> ServiceError {
     let name = |text: String| echo(&text).into_owned();
     let sentence = |text: String| echo_up_to(&text, MAX_SENTENCE_BYTES).into_owned();
-    let ServiceError::Runtime(error) = error else {
-        return error;
+    let error = match error {
+        ServiceError::Runtime(error) => error,
+        ServiceError::PermissionDenied { needed, what } => {
+            return ServiceError::PermissionDenied {
+                needed,
+                what: sentence(what),
+            };
+        }
+        other => return other,
     };
     ServiceError::Runtime(match error {
         RuntimeError::InvalidConfig(ConfigError { setting, message }) => {

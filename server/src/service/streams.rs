@@ -2,10 +2,13 @@
 //! queries, produce and topic reads. Each handler checks its request, calls `StreamsApp`
 //! and translates the answer; errors go through `status::to_status`.
 
+use super::auth::{Role, role_of};
 use super::convert::{self, PartitionRanges};
 use super::outcomes::{self, PumpSettings, STREAM_CHANNEL_CAPACITY, StreamItem};
 use super::request::{self, StoreQuery};
-use super::status::to_status;
+use super::status::{ServiceError, to_status};
+use crate::config::Config;
+use crate::runtime::echo;
 use crate::runtime::{RangePage, RuntimeError, StreamsApp};
 use std::sync::Arc;
 use taskstream::v1 as pb;
@@ -33,6 +36,33 @@ impl StreamsHandler {
     fn produce_limits(&self) -> request::ProduceLimits {
         request::ProduceLimits::of(self.app.config())
     }
+
+    /// Internal topics (retry, dead-letter, changelog, metadata) belong to the runtime:
+    /// only `admin` may produce to or read them.
+    fn check_topic_access(&self, role: Role, topic: &str, action: &str) -> Result<(), Status> {
+        if role < Role::Admin && is_internal_topic(self.app.config(), topic) {
+            return Err(to_status(ServiceError::PermissionDenied {
+                needed: Role::Admin.as_str(),
+                what: format!(
+                    "{action} the internal topic `{}` (the runtime's; dead letters go back with \
+                     RedriveDeadLetters)",
+                    echo(topic)
+                ),
+            }));
+        }
+        Ok(())
+    }
+}
+
+/// A topic of the runtime: a pipeline's retry or dead-letter topic, or a changelog or
+/// metadata topic (`…-changelog`, `…-metadata`, as Kafka Streams names them).
+pub fn is_internal_topic(config: &Config, topic: &str) -> bool {
+    topic.ends_with("-changelog")
+        || topic.ends_with("-metadata")
+        || config
+            .pipelines
+            .iter()
+            .any(|p| topic == config.retry_topic(&p.name) || topic == config.dead_letter_topic(&p.name))
 }
 
 #[tonic::async_trait]
@@ -139,8 +169,10 @@ impl StreamsService for StreamsHandler {
         &self,
         request: Request<pb::ProduceRequest>,
     ) -> Result<Response<pb::ProduceResponse>, Status> {
+        let role = role_of(&request);
         let (topic, records) =
             request::produce_batch(request.into_inner(), self.produce_limits()).map_err(to_status)?;
+        self.check_topic_access(role, &topic, "Produce to")?;
         let app = self.app.clone();
         let name = topic.clone();
         // A durable log answers once the records are on disk: off the async workers.
@@ -159,12 +191,14 @@ impl StreamsService for StreamsHandler {
         &self,
         request: Request<pb::ReadTopicRequest>,
     ) -> Result<Response<pb::ReadTopicResponse>, Status> {
+        let role = role_of(&request);
         let request::TopicReadArgs {
             topic,
             partition,
             offset,
             max_records,
         } = request::topic_read(request.into_inner()).map_err(to_status)?;
+        self.check_topic_access(role, &topic, "ReadTopic of")?;
         let app = self.app.clone();
         let name = topic.clone();
         // A durable log is read from disk: off the async workers.
@@ -181,6 +215,7 @@ impl StreamsService for StreamsHandler {
         &self,
         request: Request<Streaming<pb::ProduceRequest>>,
     ) -> Result<Response<pb::ProduceResponse>, Status> {
+        let role = role_of(&request);
         let mut batches = request.into_inner();
         let mut topic: Option<String> = None;
         let mut ranges = PartitionRanges::default();
@@ -189,7 +224,10 @@ impl StreamsService for StreamsHandler {
             let (batch_topic, records) =
                 request::produce_batch(batch?, self.produce_limits()).map_err(to_status)?;
             match &topic {
-                None => topic = Some(batch_topic.clone()),
+                None => {
+                    self.check_topic_access(role, &batch_topic, "ProduceStream to")?;
+                    topic = Some(batch_topic.clone());
+                }
                 Some(first) if *first != batch_topic => {
                     return Err(to_status(RuntimeError::invalid_argument(
                         "topic",

@@ -1,0 +1,129 @@
+//! Dead-letter redrive: records of a pipeline's dead-letter topic go back on its retry
+//! path with fresh attempts. Each is a new delivery of the record, with its own outcomes
+//! (processed, or retrying and then processed or dead-lettered again); the dead-letter
+//! record itself stays where it is (topics are append-only).
+
+use super::RuntimeError;
+use super::app::hosted_partitions;
+use super::retry::headers;
+use crate::config::RetryPolicy;
+use crate::log::{ProducerRecord, Record, RecordPosition};
+use crate::runtime::StreamsApp;
+use bytes::Bytes;
+
+/// Dead letters read and appended at a time, so a redrive of a whole partition holds
+/// only this many in memory.
+const CHUNK: usize = 500;
+
+/// Which dead letters of a partition to redrive.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Redrive {
+    /// Every record the dead-letter partition retains.
+    All,
+    /// These offsets of the dead-letter partition (each must be retained).
+    Offsets(Vec<u64>),
+}
+
+impl StreamsApp {
+    /// Appends dead letters of `pipeline`'s `partition` to its retry topic with their
+    /// attempts reset, where the partition's task retries them as it does any failed
+    /// record. Answers where they went in the retry topic, in dead-letter order.
+    pub fn redrive_dead_letters(
+        &self,
+        pipeline: &str,
+        partition: u32,
+        which: &Redrive,
+    ) -> Result<Vec<RecordPosition>, RuntimeError> {
+        let shared = self.shared();
+        shared.ensure_running()?;
+        let p = shared.pipeline_index(pipeline).map_err(|error| match error {
+            RuntimeError::InvalidArgument { message, .. } => {
+                RuntimeError::invalid_argument("pipeline", message)
+            }
+            other => other,
+        })?;
+        let runtime = &shared.pipelines[p];
+        if runtime.retry_policy != RetryPolicy::RetryTopic {
+            return Err(RuntimeError::invalid_argument(
+                "pipeline",
+                format!(
+                    "`{pipeline}` runs retry_policy = \"blocking\": it has no retry topic to redrive into"
+                ),
+            ));
+        }
+        // The partition's retry queue must live here to pick the records up.
+        hosted_partitions(shared, p, &[partition])?;
+        let (dlq, retry) = (runtime.dead_letter_topic.clone(), runtime.retry_topic.clone());
+        let mut positions = Vec::new();
+        match which {
+            Redrive::All => {
+                let end = shared.log.end_offset(&dlq, partition)?;
+                let mut next = shared.log.start_offset(&dlq, partition)?;
+                while next < end {
+                    let mut chunk = Vec::with_capacity(CHUNK);
+                    shared.log.read(
+                        &dlq,
+                        partition,
+                        next,
+                        CHUNK.min((end - next) as usize),
+                        &mut chunk,
+                    )?;
+                    let Some(last) = chunk.last() else { break };
+                    next = last.offset + 1;
+                    chunk.retain(|record| record.offset < end);
+                    positions.extend(
+                        shared
+                            .log
+                            .append(&retry, chunk.into_iter().map(redriven).collect())?,
+                    );
+                }
+            }
+            Redrive::Offsets(offsets) => {
+                if offsets.is_empty() {
+                    return Err(RuntimeError::invalid_argument(
+                        "offsets",
+                        "name at least one dead-letter offset, or set `all`",
+                    ));
+                }
+                // Every offset is checked before anything is appended: all or nothing.
+                let mut records = Vec::with_capacity(offsets.len());
+                for (i, &offset) in offsets.iter().enumerate() {
+                    let mut found = Vec::with_capacity(1);
+                    shared.log.read(&dlq, partition, offset, 1, &mut found)?;
+                    match found.pop() {
+                        Some(record) if record.offset == offset => records.push(redriven(record)),
+                        _ => {
+                            return Err(RuntimeError::invalid_argument(
+                                format!("offsets[{i}]"),
+                                format!("partition {partition} of `{dlq}` has no record at offset {offset}"),
+                            ));
+                        }
+                    }
+                }
+                for chunk in records.chunks(CHUNK) {
+                    positions.extend(shared.log.append(&retry, chunk.to_vec())?);
+                }
+            }
+        }
+        Ok(positions)
+    }
+}
+
+/// A dead letter as a retry record with no attempt made yet: due at once, then retried
+/// with backoff up to `retry_max_attempts` like any failed record. Its source position,
+/// error and original headers stay.
+fn redriven(record: Record) -> ProducerRecord {
+    let mut headers: Vec<(String, Bytes)> = record
+        .headers
+        .into_iter()
+        .filter(|(name, _)| name != headers::ATTEMPTS)
+        .collect();
+    headers.push((headers::ATTEMPTS.to_string(), Bytes::from_static(b"0")));
+    ProducerRecord {
+        key: record.key,
+        value: record.value,
+        partition: Some(record.partition),
+        timestamp_ms: Some(record.timestamp_ms),
+        headers,
+    }
+}
