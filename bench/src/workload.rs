@@ -139,6 +139,11 @@ pub struct Run {
     pub cpu_seconds: f64,
     /// The load average when the run started.
     pub load: f64,
+    /// Once caught up: the store's counts summed over every key (what `count` and `simulate`
+    /// add per record), and records that failed. Together they say whether every record was
+    /// applied once.
+    pub counted: u64,
+    pub failed: u64,
 }
 
 impl Run {
@@ -211,6 +216,12 @@ pub fn run_prefilled(
     };
     let cpu_seconds = cpu_seconds() - cpu_before;
     let peak_rss = peak_rss(None);
+    // A persistent store answers queries from its last commit: wait for it before counting.
+    let (counted, failed) = if finished && app.wait_until_caught_up(timeout) {
+        tally(&app, &store)?
+    } else {
+        (0, 0)
+    };
     let store_kind = app.describe().pipelines.first().map(|p| p.store_kind);
     app.shutdown().context("shut the runtime down")?;
     let until_shutdown = start.elapsed().as_secs_f64();
@@ -225,7 +236,31 @@ pub fn run_prefilled(
         until_shutdown,
         cpu_seconds,
         load,
+        counted,
+        failed,
     })
+}
+
+/// The store's counts summed over every key, and the records that failed.
+fn tally(app: &StreamsApp, store: &str) -> anyhow::Result<(u64, u64)> {
+    let mut counted = 0u64;
+    for partition in app.query_range(store, None, None, &[], usize::MAX)? {
+        for (key, value) in partition.entries {
+            let count: u64 = std::str::from_utf8(&value)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(|| anyhow!("the count of key {key:?} is not a number: {value:?}"))?;
+            counted += count;
+        }
+    }
+    let failed = app
+        .process_metadata_for_store(store, false)?
+        .instances
+        .iter()
+        .flat_map(|i| i.tasks.iter())
+        .map(|t| t.records_failed)
+        .sum();
+    Ok((counted, failed))
 }
 
 /// A prefilled log plus `run_prefilled`, for the common case.

@@ -29,7 +29,20 @@ pub struct ProcessorContext<'a> {
     pub(crate) outputs: Option<&'a Outputs>,
 }
 
-impl ProcessorContext<'_> {
+impl<'a> ProcessorContext<'a> {
+    /// A context outside the runtime (a benchmark's processor-only loop, a unit test of a
+    /// processor): first attempt, no deadline, emitted records dropped.
+    pub fn standalone(task_id: &'a str, partition: u32, store: &'a dyn KeyValueStore) -> Self {
+        ProcessorContext {
+            task_id,
+            partition,
+            attempt: 1,
+            store,
+            deadline: None,
+            outputs: None,
+        }
+    }
+
     /// Whether the deadline has passed.
     pub fn is_expired(&self) -> bool {
         self.deadline.is_some_and(|d| Instant::now() >= d)
