@@ -37,8 +37,8 @@ pub mod service;
 pub mod store;
 
 pub use config::{
-    CommitMode, Config, ConfigError, GroupProtocol, GrpcProcessorSpec, PipelineConfig, ProcessingOrder,
-    ProcessorSpec, RetryPolicy, StoreKind, TopicConfig,
+    CommitMode, Config, ConfigError, GroupProtocol, GrpcProcessorSpec, PipelineConfig, ProcessingGuarantee,
+    ProcessingOrder, ProcessorSpec, RetryPolicy, StoreKind, TopicConfig,
 };
 pub use log::{Log, LogError, MemoryLog, ProducerRecord, Record, RecordPosition, RedbLog, Retention};
 pub use metadata::{

@@ -45,6 +45,24 @@ pub enum CommitMode {
     Async,
 }
 
+/// What a commit guarantees on Kafka. `at_least_once`: a crash may apply
+/// records again. `exactly_once_v2`: a task's changelog, retry and
+/// dead-letter writes and its offsets commit in one Kafka transaction, so a
+/// crash applies nothing twice (it needs `bootstrap_servers` and
+/// `commit_mode = "sync"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ProcessingGuarantee {
+    #[default]
+    AtLeastOnce,
+    ExactlyOnceV2,
+}
+
+impl ProcessingGuarantee {
+    pub fn as_str(self) -> &'static str {
+        choice_name(self)
+    }
+}
+
 /// How instances of one application share partitions on Kafka: the consumer
 /// group protocol. `consumer` is KIP-848 (Apache Kafka 4): the broker assigns
 /// incrementally and no member waits for a global barrier. `classic` is the
@@ -138,6 +156,13 @@ impl Choice for ProcessingOrder {
     ];
 }
 
+impl Choice for ProcessingGuarantee {
+    const CHOICES: &'static [(&'static str, Self)] = &[
+        ("at_least_once", ProcessingGuarantee::AtLeastOnce),
+        ("exactly_once_v2", ProcessingGuarantee::ExactlyOnceV2),
+    ];
+}
+
 impl Choice for CommitMode {
     const CHOICES: &'static [(&'static str, Self)] =
         &[("sync", CommitMode::Sync), ("async", CommitMode::Async)];
@@ -208,6 +233,7 @@ macro_rules! deserialize_choice {
 deserialize_choice!(
     ProcessingOrder,
     CommitMode,
+    ProcessingGuarantee,
     SlowSubscriberPolicy,
     StoreKind,
     RetryPolicy,
@@ -543,6 +569,8 @@ pub struct Config {
     pub processing_order: ProcessingOrder,
     pub commit_interval_ms: u64,
     pub commit_mode: CommitMode,
+    /// at_least_once (default) or exactly_once_v2 (Kafka transactions).
+    pub processing_guarantee: ProcessingGuarantee,
     /// Largest work range one thread takes at once.
     pub max_batch_records: usize,
     /// A thread completes its unit after this long even if records remain,
@@ -696,6 +724,7 @@ impl Default for Config {
             processing_order: ProcessingOrder::Offset,
             commit_interval_ms: 1000,
             commit_mode: CommitMode::Sync,
+            processing_guarantee: ProcessingGuarantee::AtLeastOnce,
             max_batch_records: 500,
             max_batch_ms: 250,
             max_in_flight_records: 10_000,
@@ -838,6 +867,13 @@ pub const SETTINGS: &[Setting] = &[
         "MODE",
         parse_choice,
         "sync | async."
+    ),
+    setting!(
+        processing_guarantee,
+        Some("processing-guarantee"),
+        "GUARANTEE",
+        parse_choice,
+        "at_least_once | exactly_once_v2 (Kafka transactions; needs bootstrap_servers and commit_mode = sync)."
     ),
     setting!(
         max_batch_records,
@@ -1647,6 +1683,22 @@ impl Config {
                 ),
             ));
         }
+        if self.processing_guarantee == ProcessingGuarantee::ExactlyOnceV2 {
+            if self.bootstrap_servers.is_none() {
+                return Err(ConfigError::new(
+                    "processing_guarantee",
+                    "exactly_once_v2 uses Kafka transactions and needs bootstrap_servers \
+                     (--bootstrap-servers); use at_least_once with the embedded log",
+                ));
+            }
+            if self.commit_mode == CommitMode::Async {
+                return Err(ConfigError::new(
+                    "processing_guarantee",
+                    "exactly_once_v2 commits in a Kafka transaction, which needs commit_mode = \"sync\"; \
+                     set commit_mode = \"sync\" or processing_guarantee = \"at_least_once\"",
+                ));
+            }
+        }
         let Some(servers) = &self.bootstrap_servers else {
             if let Some(name) = self.kafka.keys().next() {
                 return Err(ConfigError::new(
@@ -2268,6 +2320,41 @@ mod tests {
         let mut config = Config::embedded_default();
         config.pipelines[0].partitions = Some(3);
         assert_eq!(config.validate().unwrap_err().setting, "pipelines[0].partitions");
+    }
+
+    #[test]
+    fn exactly_once_v2_needs_kafka_and_sync_commits_and_says_so() {
+        let text = |extra: &str| {
+            format!(
+                r#"
+                processing_guarantee = "exactly_once_v2"
+                {extra}
+                [[pipelines]]
+                name = "counts"
+                source_topic = "events"
+                processor = "count"
+                "#
+            )
+        };
+        let config = Config::from_toml_str(&text("bootstrap_servers = \"127.0.0.1:9092\"")).unwrap();
+        assert_eq!(config.processing_guarantee, ProcessingGuarantee::ExactlyOnceV2);
+        config.validate().unwrap();
+
+        let config = Config::from_toml_str(&text(
+            "bootstrap_servers = \"127.0.0.1:9092\"\ncommit_mode = \"async\"",
+        ))
+        .unwrap();
+        let err = config.validate().unwrap_err();
+        assert_eq!(err.setting, "processing_guarantee");
+        assert!(err.message.contains("commit_mode = \"sync\""), "{err}");
+        assert!(err.message.contains("exactly_once_v2"), "{err}");
+
+        let err = Config::from_toml_str(&text("")).unwrap().validate().unwrap_err();
+        assert_eq!(err.setting, "processing_guarantee");
+        assert!(err.message.contains("bootstrap_servers"), "{err}");
+
+        let err = Config::from_toml_str("processing_guarantee = \"exactly_once\"").unwrap_err();
+        assert!(err.to_string().contains("exactly_once_v2"), "{err}");
     }
 
     #[test]

@@ -64,7 +64,7 @@ use rdkafka::consumer::base_consumer::PartitionQueue;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
-use rdkafka::producer::{BaseRecord, DeliveryResult, ProducerContext, ThreadedProducer};
+use rdkafka::producer::{BaseRecord, DeliveryResult, Producer as _, ProducerContext, ThreadedProducer};
 use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
@@ -112,6 +112,9 @@ pub struct KafkaLog {
     /// reader consumer's.
     partition_readers: Mutex<HashMap<(String, u32), SharedReader>>,
     committers: Mutex<HashMap<String, Arc<BaseConsumer<ClientLog>>>>,
+    /// exactly_once_v2: each task's transaction, under every partition it
+    /// writes (retry, dead-letter, changelog). Appends to them go through it.
+    transactions: RwLock<HashMap<(String, u32), Arc<TaskTransaction>>>,
     /// The consumer group joined (`join_group`): reads of its partitions and
     /// commits of its offsets go through it.
     group: RwLock<Option<Arc<Group>>>,
@@ -127,6 +130,16 @@ pub struct KafkaLog {
     events: Mutex<mpsc::Sender<Event>>,
     stop: Arc<AtomicBool>,
     threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// A task's transactional producer (exactly_once_v2), with its open
+/// transaction: the writes of the task's partitions since its last commit.
+struct TaskTransaction {
+    id: String,
+    producer: ThreadedProducer<DeliveryContext>,
+    /// Appends share it; a commit takes it alone, so nothing lands between
+    /// the offsets it sends and the end of its transaction.
+    gate: RwLock<()>,
 }
 
 /// What the notifier thread is told.
@@ -187,6 +200,11 @@ struct PartitionReader {
     next: u64,
     /// A group partition whose assignment is under way: reads wait for it.
     pending: bool,
+    /// The end offset a read saw when librdkafka said the queue reached the
+    /// partition's end (`enable.partition.eof`, exactly_once_v2): records
+    /// below it that never came are transaction markers or aborted, so no
+    /// read waits for them. 0: none.
+    eof_end: u64,
 }
 
 /// A partition's watermarks as last asked of the broker.
@@ -213,7 +231,17 @@ impl KafkaLog {
             .bootstrap_servers
             .clone()
             .ok_or_else(|| LogError::Unavailable("no bootstrap_servers configured".into()))?;
-        Self::with_settings(&bootstrap, &config.kafka, config.replication_factor)
+        let mut settings = config.kafka.clone();
+        if config.processing_guarantee == crate::config::ProcessingGuarantee::ExactlyOnceV2 {
+            // Only committed transactions are read (restores, retries), and
+            // a read learns where that ends: markers and aborted records
+            // take offsets no record comes from.
+            settings
+                .entry("isolation.level".into())
+                .or_insert_with(|| "read_committed".into());
+            settings.insert("enable.partition.eof".into(), "true".into());
+        }
+        Self::with_settings(&bootstrap, &settings, config.replication_factor)
     }
 
     /// Connects with explicit settings: `bootstrap` servers, librdkafka
@@ -269,6 +297,7 @@ impl KafkaLog {
             reader: Arc::new(reader),
             partition_readers: Mutex::new(HashMap::new()),
             committers: Mutex::new(HashMap::new()),
+            transactions: RwLock::new(HashMap::new()),
             group: RwLock::new(None),
             watermark_cache: Mutex::new(HashMap::new()),
             partition_counts: RwLock::new(HashMap::new()),
@@ -467,6 +496,7 @@ impl KafkaLog {
                 queue: Queue::Reader(queue),
                 next: offset,
                 pending: false,
+                eof_end: 0,
             },
             false,
         );
@@ -714,6 +744,7 @@ impl KafkaLog {
                     queue: Queue::Group(queue),
                     next: 0,
                     pending: true,
+                    eof_end: 0,
                 },
                 true,
             );
@@ -1035,6 +1066,37 @@ impl KafkaLog {
         partitions: u32,
         records: Vec<Outgoing<'_>>,
     ) -> Result<Vec<RecordPosition>, LogError> {
+        // A task's partition under exactly_once_v2: inside its transaction.
+        let transaction = self.transaction_of(topic, &records);
+        let _inside = transaction
+            .as_ref()
+            .map(|t| t.gate.read().unwrap_or_else(|e| e.into_inner()));
+        let producer = transaction.as_ref().map_or(&self.producer, |t| &t.producer);
+        self.send_with(producer, topic, partitions, records)
+    }
+
+    /// The transaction every one of `records` belongs to (all to one
+    /// registered partition), if any.
+    fn transaction_of(&self, topic: &str, records: &[Outgoing<'_>]) -> Option<Arc<TaskTransaction>> {
+        let transactions = self.transactions.read().unwrap_or_else(|e| e.into_inner());
+        if transactions.is_empty() {
+            return None;
+        }
+        let partition = records.first()?.partition?;
+        if records.iter().any(|r| r.partition != Some(partition)) {
+            return None;
+        }
+        transactions.get(&(topic.to_string(), partition)).cloned()
+    }
+
+    /// Sends through `producer`; see `send`.
+    fn send_with(
+        &self,
+        producer: &ThreadedProducer<DeliveryContext>,
+        topic: &str,
+        partitions: u32,
+        records: Vec<Outgoing<'_>>,
+    ) -> Result<Vec<RecordPosition>, LogError> {
         if records.is_empty() {
             return Ok(Vec::new());
         }
@@ -1078,7 +1140,7 @@ impl KafkaLog {
             // A full local queue drains as deliveries complete: wait for some.
             let deadline = Instant::now() + REQUEST_TIMEOUT;
             let outcome = loop {
-                match self.producer.send(message) {
+                match producer.send(message) {
                     Ok(()) => break Ok(()),
                     Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
                         if Instant::now() < deadline =>
@@ -1226,7 +1288,7 @@ impl KafkaLog {
         // is queued. Either way the queue is served, which also consumes
         // librdkafka's control events: its callback fires only when the queue
         // goes from empty to non-empty, so nothing may linger there.
-        let promised = offset < end;
+        let mut promised = offset < end && end > reader.eof_end;
         let mut taken = 0;
         let deadline = Instant::now() + FETCH_WAIT;
         while taken < max {
@@ -1267,6 +1329,15 @@ impl KafkaLog {
                         "reading {topic}-{partition} from {offset}: {code}"
                     )));
                 }
+                // At the end of what can be read (read_committed: the last
+                // stable offset); what the end offset promised beyond is
+                // markers, aborted or not yet committed.
+                // Records that came after it may wait behind it: take them,
+                // without waiting for more.
+                Some(Err(KafkaError::PartitionEOF(_))) => {
+                    reader.eof_end = end;
+                    promised = false;
+                }
                 Some(Err(e)) => {
                     if taken > 0 {
                         break;
@@ -1283,6 +1354,113 @@ impl KafkaLog {
             }
         }
         Ok(())
+    }
+
+    /// exactly_once_v2: creates the transactional producer `transactional_id`
+    /// of a task and opens its first transaction; from now on appends to
+    /// `partitions` (the task's retry, dead-letter and changelog partitions)
+    /// go into it. Initialising it fences an earlier producer of that id
+    /// (the task's previous owner, alive or not) and aborts its open
+    /// transaction, so read_committed readers go on at once.
+    pub fn begin_transactions(
+        &self,
+        transactional_id: &str,
+        partitions: &[(String, u32)],
+    ) -> Result<(), LogError> {
+        self.end_transactions(transactional_id);
+        let producer: ThreadedProducer<DeliveryContext> = self
+            .client_config(PRODUCER_DEFAULTS)
+            .set("client.id", "taskstream-transactions")
+            .set("transactional.id", transactional_id)
+            .set("partitioner", "murmur2_random")
+            .set("allow.auto.create.topics", "false")
+            .create_with_context(DeliveryContext)
+            .map_err(client_error("transactional producer"))?;
+        producer
+            .init_transactions(REQUEST_TIMEOUT)
+            .map_err(unavailable("init transactions"))?;
+        producer
+            .begin_transaction()
+            .map_err(unavailable("begin transaction"))?;
+        let transaction = Arc::new(TaskTransaction {
+            id: transactional_id.to_string(),
+            producer,
+            gate: RwLock::new(()),
+        });
+        let mut transactions = self.transactions.write().unwrap_or_else(|e| e.into_inner());
+        for key in partitions {
+            transactions.insert(key.clone(), transaction.clone());
+        }
+        Ok(())
+    }
+
+    /// Commits the open transaction of `transactional_id` with the group's
+    /// `offsets` (topic, partition, next offset; sent with the group's
+    /// metadata, so a fenced member cannot commit), then opens the next.
+    /// On failure the transaction is aborted — its writes are gone — and a
+    /// new one opened.
+    pub fn commit_transaction(
+        &self,
+        transactional_id: &str,
+        offsets: &[(&str, u32, u64)],
+    ) -> Result<(), LogError> {
+        let transaction = self
+            .transactions
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .find(|t| t.id == transactional_id)
+            .cloned()
+            .ok_or_else(|| LogError::Unavailable(format!("no transaction {transactional_id}")))?;
+        let group = self
+            .group
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| LogError::Unavailable("exactly_once_v2 commits need the consumer group".into()))?;
+        let metadata = group
+            .consumer
+            .group_metadata()
+            .ok_or_else(|| LogError::Unavailable("the group has no metadata yet".into()))?;
+        let mut list = TopicPartitionList::new();
+        for (topic, partition, offset) in offsets {
+            list.add_partition_offset(topic, *partition as i32, Offset::Offset(*offset as i64))
+                .map_err(unavailable("offsets"))?;
+        }
+        let _alone = transaction.gate.write().unwrap_or_else(|e| e.into_inner());
+        let producer = &transaction.producer;
+        let committed = producer
+            .send_offsets_to_transaction(&list, &metadata, REQUEST_TIMEOUT)
+            .and_then(|()| producer.commit_transaction(REQUEST_TIMEOUT));
+        if let Err(e) = committed {
+            tracing::error!(transaction = transactional_id, error = %e, "transaction aborted");
+            let _ = producer.abort_transaction(REQUEST_TIMEOUT);
+            let _ = producer.begin_transaction();
+            return Err(unavailable("commit transaction")(e));
+        }
+        producer
+            .begin_transaction()
+            .map_err(unavailable("begin transaction"))
+    }
+
+    /// Drops the transactional producer of `transactional_id` (its task
+    /// left, committed): its open transaction, empty, is aborted.
+    pub fn end_transactions(&self, transactional_id: &str) {
+        let mut transactions = self.transactions.write().unwrap_or_else(|e| e.into_inner());
+        let mut ended = None;
+        transactions.retain(|_, t| {
+            if t.id == transactional_id {
+                ended = Some(t.clone());
+                false
+            } else {
+                true
+            }
+        });
+        drop(transactions);
+        if let Some(transaction) = ended {
+            let _alone = transaction.gate.write().unwrap_or_else(|e| e.into_inner());
+            let _ = transaction.producer.abort_transaction(REQUEST_TIMEOUT);
+        }
     }
 
     /// Moves a partition's reader to `offset`. librdkafka drops what the queue
@@ -1314,6 +1492,7 @@ impl KafkaLog {
                 }
             }
             reader.next = offset;
+            reader.eof_end = 0;
             return Ok(());
         }
         if self.reader.seek(&topic, partition, to, REQUEST_TIMEOUT).is_err() {
@@ -1329,6 +1508,7 @@ impl KafkaLog {
             self.assign_at(&reader.topic, reader.partition, offset)?;
         }
         reader.next = offset;
+        reader.eof_end = 0;
         Ok(())
     }
 }
@@ -1471,9 +1651,27 @@ impl ClientContext for ClientLog {
     fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
         forward_log(level, facility, message);
     }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        forward_error(&error, reason);
+    }
 }
 
 impl ConsumerContext for ClientLog {}
+
+/// librdkafka's client errors through `tracing`, less the end-of-partition
+/// events `enable.partition.eof` (exactly_once_v2) makes it report there too:
+/// reads learn of those through their queues.
+pub(crate) fn forward_error(error: &KafkaError, reason: &str) {
+    if matches!(
+        error,
+        KafkaError::PartitionEOF(_) | KafkaError::Global(RDKafkaErrorCode::PartitionEOF)
+    ) {
+        tracing::debug!(target: "librdkafka", "{reason}");
+        return;
+    }
+    tracing::error!(target: "librdkafka", error = %error, "{reason}");
+}
 
 pub(crate) fn forward_log(level: RDKafkaLogLevel, facility: &str, message: &str) {
     if facility == "CONFWARN" && message.contains("will be ignored by this") {

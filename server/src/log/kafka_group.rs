@@ -11,7 +11,7 @@
 //! through it: a KIP-848 group refuses commits from a client that is not a
 //! member.
 
-use super::kafka::{KafkaLog, forward_log};
+use super::kafka::{KafkaLog, forward_error, forward_log};
 use crate::config::GroupProtocol;
 use rdkafka::bindings as rdsys;
 use rdkafka::config::RDKafkaLogLevel;
@@ -60,6 +60,10 @@ pub(crate) struct GroupContext {
 impl ClientContext for GroupContext {
     fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
         forward_log(level, facility, message);
+    }
+
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        forward_error(&error, reason);
     }
 }
 
@@ -238,6 +242,10 @@ impl Drop for Group {
 fn serve(consumer: &BaseConsumer<GroupContext>, stop: &AtomicBool) {
     while !stop.load(Ordering::Acquire) {
         match consumer.poll(Duration::from_millis(100)) {
+            Some(Err(
+                rdkafka::error::KafkaError::PartitionEOF(_)
+                | rdkafka::error::KafkaError::Global(rdkafka::error::RDKafkaErrorCode::PartitionEOF),
+            )) => {}
             Some(Err(e)) => tracing::warn!(error = %e, "kafka group"),
             Some(Ok(message)) => tracing::error!(
                 topic = message.topic(),

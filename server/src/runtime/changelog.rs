@@ -51,27 +51,29 @@ impl Changelog {
     }
 
     /// Sends the current value (or a tombstone) of every key noted since the
-    /// last send, and waits until they are durable. The caller serialises
-    /// sends (the commit lock), so a later value of a key never lands before
-    /// an earlier one. On failure the keys stay noted for the next commit.
+    /// last send, waits until they are durable, then calls `seal`. The
+    /// caller serialises sends (the commit lock), so a later value of a key
+    /// never lands before an earlier one. If the send or `seal` fails, the
+    /// keys stay noted for the next commit.
     pub(crate) fn send_written(
         &self,
         kafka: &KafkaLog,
         current: impl Fn(&[u8]) -> Option<Bytes>,
-    ) -> Result<(), LogError> {
+        seal: &dyn Fn() -> Result<(), String>,
+    ) -> Result<(), String> {
         let keys = std::mem::take(&mut *self.written.lock().unwrap_or_else(|e| e.into_inner()));
-        if keys.is_empty() {
-            return Ok(());
-        }
         let writes: Vec<Write> = keys.iter().map(|key| (key.clone(), current(key))).collect();
-        if let Err(e) = kafka.append_changelog(&self.topic, self.partition, &writes) {
+        let sent = kafka
+            .append_changelog(&self.topic, self.partition, &writes)
+            .map_err(|e| format!("cannot write the changelog: {e}"))
+            .and_then(|_| seal());
+        if sent.is_err() {
             self.written
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .extend(keys);
-            return Err(e);
         }
-        Ok(())
+        sent
     }
 
     /// Sends `writes` (a persistent store's frozen commit) and waits until

@@ -85,7 +85,7 @@ fn freeze(shared: &Shared, item: &CommitItem) -> Result<FreezeResult, String> {
         Err(FreezeError) => return Ok(FreezeResult::OutOfOrder),
     }
     task_store
-        .finish_commit(shared.log.as_ref())
+        .finish_commit(shared.log.as_ref(), &|checkpoint| seal(shared, item, checkpoint))
         .map_err(|e| e.to_string())?;
     Ok(match store.begin_commit(&checkpoint) {
         Ok(true) => FreezeResult::Frozen,
@@ -196,7 +196,11 @@ fn write_and_report(shared: &Shared, item: &CommitItem) -> Result<(), String> {
             report(shared, &written, Ok(()));
             Ok(())
         }
-        Ok(None) => Ok(()),
+        Ok(None) => {
+            // Written by another thread, which reports it; this task goes on.
+            shared.lock().commit_done_elsewhere(item);
+            Ok(())
+        }
         Err(e) => {
             failed(shared, item, &e);
             Err(e)
@@ -241,7 +245,7 @@ fn write(shared: &Shared, item: &CommitItem) -> Result<Option<CommitItem>, Strin
         if store.persistent().is_none() {
             return Err("the store is not persistent".to_string());
         }
-        return match store.finish_commit(shared.log.as_ref()) {
+        return match store.finish_commit(shared.log.as_ref(), &|checkpoint| seal(shared, item, checkpoint)) {
             Ok(Some(checkpoint)) => {
                 let written = CommitItem {
                     offset: checkpoint.watermark,
@@ -251,8 +255,9 @@ fn write(shared: &Shared, item: &CommitItem) -> Result<Option<CommitItem>, Strin
                 };
                 // On Kafka another instance may resume the task: the group's
                 // offsets follow the checkpoint (written after it, so they
-                // are never ahead of a store's own checkpoint).
-                if shared.log.as_kafka().is_some() {
+                // are never ahead of a store's own checkpoint). Under
+                // exactly-once they went with the transaction, before it.
+                if shared.log.as_kafka().is_some() && !shared.exactly_once() {
                     commit_positions(shared, &written)?;
                 }
                 Ok(Some(written))
@@ -264,12 +269,39 @@ fn write(shared: &Shared, item: &CommitItem) -> Result<Option<CommitItem>, Strin
     // What a memory store wrote reaches its changelog before the positions
     // that cover it (on Kafka; elsewhere there is none).
     if let Some(store) = &item.memory {
+        let positions = checkpoint(item);
         store
-            .send_written(shared.log.as_ref())
+            .send_written(shared.log.as_ref(), &|| seal(shared, item, &positions))
             .map_err(|e| e.to_string())?;
+        if shared.exactly_once() {
+            return Ok(Some(item.clone()));
+        }
     }
     commit_positions(shared, item)?;
     Ok(Some(item.clone()))
+}
+
+/// Between a commit's changelog records and its checkpoint: under
+/// exactly_once_v2 the task's transaction commits there, with the
+/// checkpoint's positions as the group's offsets (so a checkpoint is never
+/// written for a transaction that did not commit); else nothing.
+fn seal(shared: &Shared, item: &CommitItem, checkpoint: &Checkpoint) -> Result<(), String> {
+    if !shared.exactly_once() {
+        return Ok(());
+    }
+    let Some(kafka) = shared.log.as_kafka() else {
+        return Err("exactly_once_v2 needs Kafka".to_string());
+    };
+    let pipeline = &shared.pipelines[item.pipeline];
+    kafka
+        .commit_transaction(
+            &shared.transactional_id(&item.task_id),
+            &[
+                (&pipeline.topic, item.partition, checkpoint.watermark),
+                (&pipeline.retry_topic, item.partition, checkpoint.retry_offset),
+            ],
+        )
+        .map_err(|e| e.to_string())
 }
 
 /// Writes a task's positions (source and retry) to the log's committed

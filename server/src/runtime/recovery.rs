@@ -117,13 +117,33 @@ pub(crate) fn plan(
     );
     retry.mark_committed(retry_committed.unwrap_or(retry_start), 0);
     let restore = if store.changelog().is_some() {
+        if shared.exactly_once()
+            && let Some(kafka) = log.as_kafka()
+        {
+            // Before the restore: fencing the task's previous producer aborts
+            // its open transaction, so the changelog reads to its end now.
+            let written = [&p.retry_topic, &p.dead_letter_topic]
+                .into_iter()
+                .chain(p.changelog_topic.as_ref())
+                .map(|topic| (topic.to_string(), partition))
+                .collect::<Vec<_>>();
+            kafka.begin_transactions(&shared.transactional_id(&id), &written)?;
+        }
+        // Under exactly-once the transaction is the commit point: a local
+        // copy is current only if its checkpoint is where the group's
+        // offsets are; any other is rebuilt from the changelog.
+        let trusted = !shared.exactly_once()
+            || checkpoint
+                .as_ref()
+                .is_some_and(|c| committed == Some(c.watermark));
         let positions = Checkpoint {
             watermark: resume,
             retry_offset: retry_start,
             retry_done: retry_done_kept,
             changelog_offset: None,
         };
-        changelog_restore(shared, &store, partition, checkpoint.as_ref(), positions)?
+        let local = checkpoint.as_ref().filter(|_| trusted);
+        changelog_restore(shared, &store, partition, local, positions)?
     } else {
         // A memory store is rebuilt from what the log retains, up to the
         // committed watermark, before the task runs.
@@ -147,6 +167,7 @@ pub(crate) fn plan(
         max_batch_records: config.max_batch_records,
         max_in_flight_records: config.max_in_flight_records,
         outcome_retention_records: config.outcome_retention_records,
+        exactly_once: shared.exactly_once(),
     })
 }
 
@@ -160,7 +181,9 @@ type Positions = (Option<u64>, Option<u64>, Vec<u64>);
 /// own checkpoint is ahead of them — a persistent store commits its
 /// checkpoint first and the group's offsets after, so a crash in between
 /// leaves the group behind, and the checkpoint (whose writes reached the
-/// changelog before it was written) is then the newer.
+/// changelog before it was written) is then the newer. Under exactly-once
+/// the group's offsets always win: they commit with the transaction, before
+/// the checkpoint.
 fn kafka_positions(
     shared: &Shared,
     pipeline: usize,
@@ -176,7 +199,7 @@ fn kafka_positions(
         None => log.committed(group, &p.topic, partition)?,
     };
     Ok(match checkpoint {
-        Some(c) if source.is_none_or(|g| c.watermark > g) => {
+        Some(c) if !shared.exactly_once() && source.is_none_or(|g| c.watermark > g) => {
             (Some(c.watermark), Some(c.retry_offset), c.retry_done.clone())
         }
         _ => (

@@ -676,7 +676,7 @@ impl Scheduler {
             if task.is_restoring() || task.is_removing() || !task.has_uncommitted() || !task.may_commit(now) {
                 continue;
             }
-            if !task.is_persistent() || task.request_commit() {
+            if !task.commits_wait() || task.request_commit() {
                 let item = self.commit_item(t);
                 if let Some(store) = item.store.as_ref().and_then(|s| s.persistent()) {
                     // Decided under the lock: a unit picked from now on may know a higher
@@ -718,8 +718,17 @@ impl Scheduler {
             return;
         };
         match result {
-            FreezeResult::Frozen | FreezeResult::Busy => task.commit_frozen(),
+            FreezeResult::Frozen => task.commit_frozen(true),
+            FreezeResult::Busy => task.commit_frozen(false),
             FreezeResult::OutOfOrder => task.commit_needs_drain(),
+        }
+    }
+
+    /// A commit frozen for the task was written by another thread: a task
+    /// held for it (exactly-once) goes on.
+    pub(crate) fn commit_done_elsewhere(&mut self, item: &CommitItem) {
+        if let Some(task) = self.live_task_of(item) {
+            task.commit_written();
         }
     }
 
@@ -729,6 +738,7 @@ impl Scheduler {
         let Some(task) = self.live_task_of(item) else {
             return false;
         };
+        task.commit_written();
         if ok {
             task.mark_committed(item.offset, item.retry_offset, item.retry_done.len())
         } else {

@@ -149,6 +149,19 @@ impl Shared {
         }
     }
 
+    /// Whether commits are Kafka transactions (`exactly_once_v2`).
+    pub(crate) fn exactly_once(&self) -> bool {
+        self.config.processing_guarantee == crate::config::ProcessingGuarantee::ExactlyOnceV2
+            && self.log.as_kafka().is_some()
+    }
+
+    /// The transactional id of a task under exactly_once_v2:
+    /// `<application_id>-<task_id>`, the same on every instance, so a new
+    /// owner fences the old one.
+    pub(crate) fn transactional_id(&self, task_id: &str) -> String {
+        format!("{}-{task_id}", self.config.application_id)
+    }
+
     /// Failed records were appended without a flush.
     pub(crate) fn note_unflushed(&self) {
         self.unflushed.store(true, Ordering::Release);

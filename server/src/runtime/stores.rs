@@ -80,32 +80,55 @@ impl TaskStore {
 
     /// Writes a persistent store's frozen commit (see `PersistentStore::finish_commit`),
     /// on Kafka sending it to the changelog first, where the checkpoint then
-    /// records its end. A memory store has nothing frozen: `Ok(None)`.
-    pub(crate) fn finish_commit(&self, log: &dyn Log) -> Result<Option<Checkpoint>, StoreError> {
+    /// records its end, and calling `seal` with the checkpoint between the two
+    /// (exactly-once: the transaction commits there, so the checkpoint is
+    /// written only after it). A memory store has nothing frozen: `Ok(None)`.
+    pub(crate) fn finish_commit(
+        &self,
+        log: &dyn Log,
+        seal: &dyn Fn(&Checkpoint) -> Result<(), String>,
+    ) -> Result<Option<Checkpoint>, StoreError> {
         let Backend::Persistent(store) = &self.backend else {
             return Ok(None);
         };
         match (&self.changelog, log.as_kafka()) {
-            (Some(changelog), Some(kafka)) => store.finish_commit_via(|writes| {
-                changelog
+            (Some(changelog), Some(kafka)) => store.finish_commit_via(|checkpoint, writes| {
+                let sent = changelog
                     .send(kafka, &writes)
-                    .map_err(|e| changelog_error(changelog, &e))
+                    .map_err(|e| changelog_error(changelog, &e))?;
+                seal(checkpoint).map_err(|message| StoreError {
+                    path: format!("{}-{}", changelog.topic(), changelog.partition()),
+                    message,
+                })?;
+                Ok(sent)
             }),
             _ => store.finish_commit(),
         }
     }
 
     /// Sends what a memory store wrote since its last send to the changelog
-    /// (current values), before a commit of its positions covers it.
-    pub(crate) fn send_written(&self, log: &dyn Log) -> Result<(), StoreError> {
+    /// (current values), before a commit of its positions covers it; then
+    /// `seal` (exactly-once: the transaction's commit). If either fails, the
+    /// keys are sent again with the next commit.
+    pub(crate) fn send_written(
+        &self,
+        log: &dyn Log,
+        seal: &dyn Fn() -> Result<(), String>,
+    ) -> Result<(), StoreError> {
         let (Backend::Memory(store), Some(changelog), Some(kafka)) =
             (&self.backend, &self.changelog, log.as_kafka())
         else {
-            return Ok(());
+            return seal().map_err(|message| StoreError {
+                path: "changelog".into(),
+                message,
+            });
         };
         changelog
-            .send_written(kafka, |key| store.get(key).ok().flatten())
-            .map_err(|e| changelog_error(changelog, &e))
+            .send_written(kafka, |key| store.get(key).ok().flatten(), seal)
+            .map_err(|message| StoreError {
+                path: format!("{}-{}", changelog.topic(), changelog.partition()),
+                message,
+            })
     }
 
     /// Applies changelog records being restored (`next`: the offset after

@@ -94,14 +94,20 @@ pub(crate) struct TaskCounters {
     pub(crate) dead_lettered: u64,
 }
 
-/// How a persistent store's commit waits for the task.
+/// How a commit waits for the task (a persistent store's, or any under
+/// exactly-once).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum CommitWait {
     /// Until no unit and no retry runs (untagged stores: ranges).
     Idle,
     /// Until nothing fetched is unfinished: fetching pauses meanwhile. The
-    /// fallback when a tagged freeze found a key's writes out of order.
+    /// fallback when a tagged freeze found a key's writes out of order, and
+    /// every commit under exactly-once: its transaction then holds only
+    /// writes of records below the offsets it commits.
     Drained,
+    /// Exactly-once: the commit is being written (its transaction is
+    /// open): no unit, retry or fetch starts until it is.
+    Writing,
 }
 
 /// Everything the task is made of, from recovery (see `recovery.rs`).
@@ -123,6 +129,8 @@ pub(crate) struct TaskInit {
     pub(crate) max_batch_records: usize,
     pub(crate) max_in_flight_records: usize,
     pub(crate) outcome_retention_records: usize,
+    /// Commits are Kafka transactions (`exactly_once_v2`).
+    pub(crate) exactly_once: bool,
 }
 
 pub(crate) struct Task {
@@ -163,6 +171,9 @@ pub(crate) struct Task {
     /// The store's commits freeze by write tag, so they never wait for the
     /// task (persistent stores with key lanes: records of a key run in order).
     tagged_commits: bool,
+    /// Every commit waits until the task is drained and holds it until the
+    /// commit's transaction is written (`exactly_once_v2`).
+    exactly_once: bool,
     history: History,
     /// The watermark the task started from.
     history_start: u64,
@@ -215,7 +226,8 @@ impl Task {
             commit_failures: 0,
             commit_after: None,
             commit_wait: None,
-            tagged_commits: persistent && lanes,
+            tagged_commits: persistent && lanes && !init.exactly_once,
+            exactly_once: init.exactly_once,
             history: History::new(init.outcome_retention_records, init.start),
             history_start: init.start,
             restore: init.restore,
@@ -451,7 +463,9 @@ impl Task {
     // ---- units ----
 
     fn may_start_units(&self) -> bool {
-        self.restore.is_none() && !self.removing && self.commit_wait != Some(CommitWait::Idle)
+        self.restore.is_none()
+            && !self.removing
+            && !matches!(self.commit_wait, Some(CommitWait::Idle | CommitWait::Writing))
     }
 
     /// Units that could start now (ignoring the thread limit).
@@ -566,7 +580,7 @@ impl Task {
 
     /// Due retry items whose source record's first outcome is out.
     pub(crate) fn take_due_retries(&mut self, now_ms: i64) -> Vec<RetryItem> {
-        if self.restore.is_some() || self.removing || self.commit_wait == Some(CommitWait::Idle) {
+        if self.restore.is_some() || self.removing || self.retries_paused() {
             return Vec::new();
         }
         let (held_release, seq) = (self.held_release, &self.seq);
@@ -581,7 +595,7 @@ impl Task {
     }
 
     pub(crate) fn next_retry_due_ms(&self) -> Option<i64> {
-        if self.commit_wait == Some(CommitWait::Idle) || self.removing {
+        if self.retries_paused() || self.removing {
             return None;
         }
         self.retry.next_due_ms()
@@ -659,14 +673,35 @@ impl Task {
             }
     }
 
-    /// A persistent store must freeze now: tagged stores at once, others
-    /// once the task is idle. Answers whether it can freeze right away.
+    /// Whether a commit waiting for the task keeps retries from starting:
+    /// one waiting for idle, and under exactly-once any (a retry's writes
+    /// must not enter a transaction that does not commit its position).
+    fn retries_paused(&self) -> bool {
+        match self.commit_wait {
+            Some(CommitWait::Idle) => true,
+            Some(_) => self.exactly_once,
+            None => false,
+        }
+    }
+
+    /// Whether the task's commits wait for it (see `request_commit`).
+    pub(crate) fn commits_wait(&self) -> bool {
+        self.is_persistent() || self.exactly_once
+    }
+
+    /// A commit is due: a persistent store's freezes (tagged stores at once,
+    /// others once the task is idle); under exactly-once any store's waits
+    /// until the task is drained. Answers whether it can go ahead right away.
     pub(crate) fn request_commit(&mut self) -> bool {
         if self.tagged_commits && self.commit_wait.is_none() {
             return true;
         }
         if self.commit_wait.is_none() {
-            self.commit_wait = Some(CommitWait::Idle);
+            self.commit_wait = Some(if self.exactly_once {
+                CommitWait::Drained
+            } else {
+                CommitWait::Idle
+            });
         }
         self.commit_ready()
     }
@@ -691,12 +726,22 @@ impl Task {
             }
             Some(CommitWait::Idle) => idle,
             Some(CommitWait::Drained) => idle && self.seq.pending() == 0 && self.work.queued() == 0,
+            Some(CommitWait::Writing) => false,
         }
     }
 
-    /// The commit waiting for the task is being frozen.
-    pub(crate) fn commit_frozen(&mut self) {
-        self.commit_wait = None;
+    /// The commit waiting for the task was frozen (`written`: and is being
+    /// written now) or given up. Under exactly-once a commit being written
+    /// holds the task until `commit_written`.
+    pub(crate) fn commit_frozen(&mut self, written: bool) {
+        self.commit_wait = (written && self.exactly_once).then_some(CommitWait::Writing);
+    }
+
+    /// The commit being written ended (either way): the task goes on.
+    pub(crate) fn commit_written(&mut self) {
+        if self.commit_wait == Some(CommitWait::Writing) {
+            self.commit_wait = None;
+        }
     }
 
     /// Positions to commit now: source watermark, retry watermark, and (for

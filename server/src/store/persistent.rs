@@ -741,11 +741,12 @@ impl PersistentStore {
     /// On error the frozen commit stays in place (reads still see it) and pending: calling
     /// this again retries it, which is harmless since it holds plain puts and deletes.
     pub fn finish_commit(&self) -> Result<Option<Checkpoint>, StoreError> {
-        self.finish_commit_via(|_| Ok(None))
+        self.finish_commit_via(|_, _| Ok(None))
     }
 
-    /// `finish_commit`, handing the frozen commit's writes to `changelog` first (a store on
-    /// Kafka sends them to its changelog topic there). It runs under the lock that serialises
+    /// `finish_commit`, handing the frozen commit's checkpoint and writes to `changelog` first
+    /// (a store on Kafka sends the writes to its changelog topic there, and under
+    /// exactly-once commits them with the checkpoint's positions in one transaction). It runs under the lock that serialises
     /// commits, so the writes of two commits never reach the changelog out of order, and
     /// answers the changelog offset after its writes (`None`: it sent nothing), which the
     /// checkpoint records; without one the checkpoint keeps the previous commit's. If it
@@ -753,7 +754,7 @@ impl PersistentStore {
     /// changelog holds values, not changes).
     pub fn finish_commit_via(
         &self,
-        changelog: impl FnOnce(Vec<Write>) -> Result<Option<u64>, StoreError>,
+        changelog: impl FnOnce(&Checkpoint, Vec<Write>) -> Result<Option<u64>, StoreError>,
     ) -> Result<Option<Checkpoint>, StoreError> {
         let _writer = lock(&self.writer);
         let Some(pending) = lock(&self.pending).clone() else {
@@ -765,7 +766,7 @@ impl PersistentStore {
             .flat_map(|layer| layer.iter().map(|(key, value)| (key.clone(), value.clone())))
             .collect();
         let mut checkpoint = pending.checkpoint;
-        checkpoint.changelog_offset = match changelog(writes)? {
+        checkpoint.changelog_offset = match changelog(&checkpoint, writes)? {
             Some(next) => Some(next),
             None => self.checkpoint().and_then(|c| c.changelog_offset),
         };
@@ -1697,7 +1698,7 @@ mod tests {
         assert!(store.begin_commit(&checkpoint(2)).unwrap());
         let mut sent = Vec::new();
         let written = store
-            .finish_commit_via(|writes| {
+            .finish_commit_via(|_, writes| {
                 sent = writes;
                 Ok(Some(17))
             })
@@ -1711,15 +1712,16 @@ mod tests {
 
         // A commit that sends nothing keeps the offset; a failed send writes nothing.
         assert!(store.begin_commit(&checkpoint(3)).unwrap());
-        store.finish_commit_via(|_| Ok(None)).unwrap();
+        store.finish_commit_via(|_, _| Ok(None)).unwrap();
         assert_eq!(store.checkpoint().unwrap().changelog_offset, Some(17));
         assert_eq!(store.checkpoint().unwrap().watermark, 3);
         assert!(store.begin_commit(&checkpoint(6)).unwrap());
-        let refused = store.finish_commit_via(|_| Err(StoreError::new(Path::new("changelog-0"), "down")));
+        let refused = store.finish_commit_via(|_, _| Err(StoreError::new(Path::new("changelog-0"), "down")));
         assert!(refused.is_err());
         assert_eq!(store.checkpoint().unwrap().watermark, 3);
         assert_eq!(store.get(b"a").unwrap(), Some(b("2")));
-        let again = store.finish_commit_via(|writes| {
+        let again = store.finish_commit_via(|checkpoint, writes| {
+            assert_eq!(checkpoint.watermark, 6);
             assert_eq!(writes, vec![(b("a"), Some(b("2")))]);
             Ok(Some(18))
         });
