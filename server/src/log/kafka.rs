@@ -81,6 +81,10 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest wait of a `read` for records the end offset says exist.
 const FETCH_WAIT: Duration = Duration::from_secs(30);
 
+/// How often a read waiting for records looks whether its partition is
+/// being revoked.
+const REVOCATION_CHECK: Duration = Duration::from_millis(100);
+
 /// The reader's group id: needed by librdkafka for manual assignment; the
 /// reader never joins or commits, so it creates no group on the broker.
 const READER_GROUP: &str = "taskstream-log-reader";
@@ -156,6 +160,9 @@ struct ReaderSlot {
     /// Reads through the group consumer (fixed for the slot's life: a
     /// partition that joins or leaves the group gets a new slot).
     group: bool,
+    /// The group is revoking the partition: its fetcher may stop, so a read
+    /// waiting for records gives up instead of holding the revocation.
+    revoking: AtomicBool,
 }
 
 type SharedReader = Arc<ReaderSlot>;
@@ -166,6 +173,7 @@ impl ReaderSlot {
             state: Mutex::new(reader),
             assigned: Condvar::new(),
             group,
+            revoking: AtomicBool::new(false),
         })
     }
 
@@ -782,6 +790,17 @@ impl KafkaLog {
         }
     }
 
+    /// The group is taking `partitions` away: reads waiting for their records
+    /// give up (their tasks are about to drain).
+    pub(crate) fn revoking_group_partitions(&self, partitions: &[GroupPartition]) {
+        let readers = self.partition_readers.lock().unwrap_or_else(|e| e.into_inner());
+        for key in partitions {
+            if let Some(slot) = readers.get(key).filter(|slot| slot.group) {
+                slot.revoking.store(true, Ordering::Release);
+            }
+        }
+    }
+
     /// The group took `partitions` away (their tasks are gone): their group
     /// queues are dropped.
     pub(crate) fn release_group_partitions(&self, partitions: &[GroupPartition]) {
@@ -1293,8 +1312,11 @@ impl KafkaLog {
         let deadline = Instant::now() + FETCH_WAIT;
         while taken < max {
             // Wait only for the first record; then take what is already here.
+            // A wait is cut in slices, to notice a revocation.
             let wait = if promised && taken == 0 {
-                deadline.saturating_duration_since(Instant::now())
+                deadline
+                    .saturating_duration_since(Instant::now())
+                    .min(REVOCATION_CHECK)
             } else {
                 Duration::ZERO
             };
@@ -1343,6 +1365,11 @@ impl KafkaLog {
                         break;
                     }
                     return Err(LogError::Unavailable(format!("reading {topic}-{partition}: {e}")));
+                }
+                None if promised && taken == 0 && slot.revoking.load(Ordering::Acquire) => {
+                    return Err(LogError::Unavailable(format!(
+                        "{topic}-{partition} is being revoked from this member"
+                    )));
                 }
                 None if promised && taken == 0 && Instant::now() < deadline => {}
                 None if promised && taken == 0 => {
@@ -1404,14 +1431,7 @@ impl KafkaLog {
         transactional_id: &str,
         offsets: &[(&str, u32, u64)],
     ) -> Result<(), LogError> {
-        let transaction = self
-            .transactions
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .find(|t| t.id == transactional_id)
-            .cloned()
-            .ok_or_else(|| LogError::Unavailable(format!("no transaction {transactional_id}")))?;
+        let transaction = self.transaction(transactional_id)?;
         let group = self
             .group
             .read()
@@ -1441,6 +1461,38 @@ impl KafkaLog {
         producer
             .begin_transaction()
             .map_err(unavailable("begin transaction"))
+    }
+
+    /// Appends `records` (keyed or not, any partition: a sink topic's) inside
+    /// the open transaction of `transactional_id`.
+    pub fn append_in_transaction(
+        &self,
+        transactional_id: &str,
+        topic: &str,
+        records: &[ProducerRecord],
+    ) -> Result<Vec<RecordPosition>, LogError> {
+        let transaction = self.transaction(transactional_id)?;
+        let partitions = self.partition_count(topic)?;
+        let outgoing = records.iter().map(|record| Outgoing {
+            key: record.key.as_deref(),
+            value: Some(&record.value[..]),
+            partition: record.partition,
+            timestamp_ms: record.timestamp_ms,
+            headers: &record.headers,
+        });
+        let _inside = transaction.gate.read().unwrap_or_else(|e| e.into_inner());
+        self.send_with(&transaction.producer, topic, partitions, outgoing.collect())
+    }
+
+    /// The transaction of `transactional_id`.
+    fn transaction(&self, transactional_id: &str) -> Result<Arc<TaskTransaction>, LogError> {
+        self.transactions
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .find(|t| t.id == transactional_id)
+            .cloned()
+            .ok_or_else(|| LogError::Unavailable(format!("no transaction {transactional_id}")))
     }
 
     /// Drops the transactional producer of `transactional_id` (its task

@@ -107,6 +107,9 @@ impl ConsumerContext for GroupContext {
             rdsys::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
                 let lost = base_consumer.assignment_lost();
                 tracing::info!(partitions = ?partitions, lost, "kafka group: partitions revoked");
+                if let Some(log) = &log {
+                    log.revoking_group_partitions(&partitions);
+                }
                 self.listener.revoked(&partitions, lost);
                 if let Err(e) = base_consumer.incremental_unassign(tpl) {
                     tracing::error!(error = %e, "kafka group: incremental unassign failed");

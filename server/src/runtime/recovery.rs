@@ -150,6 +150,7 @@ pub(crate) fn plan(
         (store.persistent().is_none() && resume > earliest)
             .then(|| Restore::replay(earliest, resume, backlog.pending_sources))
     };
+    let transaction = shared.exactly_once().then(|| shared.transactional_id(&id));
     Ok(TaskInit {
         id,
         pipeline,
@@ -167,7 +168,7 @@ pub(crate) fn plan(
         max_batch_records: config.max_batch_records,
         max_in_flight_records: config.max_in_flight_records,
         outcome_retention_records: config.outcome_retention_records,
-        exactly_once: shared.exactly_once(),
+        transaction,
     })
 }
 

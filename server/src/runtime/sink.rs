@@ -50,6 +50,9 @@ impl SinkHold {
 /// Released outputs of one task, waiting to be appended to the sink topic.
 pub(crate) struct SinkQueue {
     topic: Arc<str>,
+    /// exactly_once_v2: the task's transactional id; outputs go into its
+    /// transaction, committed with the offsets of their records.
+    transaction: Option<String>,
     /// Invariant: records are in release order; whoever appends takes them
     /// from the front while holding `appending`.
     queue: Mutex<VecDeque<ProducerRecord>>,
@@ -62,9 +65,10 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl SinkQueue {
-    pub(crate) fn new(topic: Arc<str>) -> SinkQueue {
+    pub(crate) fn new(topic: Arc<str>, transaction: Option<String>) -> SinkQueue {
         SinkQueue {
             topic,
+            transaction,
             queue: Mutex::new(VecDeque::new()),
             appending: Mutex::new(()),
         }
@@ -90,7 +94,14 @@ impl SinkQueue {
         if records.is_empty() {
             return Ok(());
         }
-        super::process::append_with_backoff(shared, &self.topic, records.clone()).map_err(|error| {
+        let appended = match (&self.transaction, shared.log.as_kafka()) {
+            (Some(id), Some(kafka)) => kafka
+                .append_in_transaction(id, &self.topic, &records)
+                .map(drop)
+                .map_err(|e| e.to_string()),
+            _ => super::process::append_with_backoff(shared, &self.topic, records.clone()),
+        };
+        appended.map_err(|error| {
             let mut queue = lock(&self.queue);
             for record in records.into_iter().rev() {
                 queue.push_front(record);
@@ -120,7 +131,7 @@ mod tests {
 
     #[test]
     fn held_outputs_are_released_in_offset_order_below_the_watermark() {
-        let queue = SinkQueue::new("out".into());
+        let queue = SinkQueue::new("out".into(), None);
         let mut hold = SinkHold::default();
         hold.hold(7, vec![output("7a"), output("7b")]);
         hold.hold(5, vec![output("5")]);

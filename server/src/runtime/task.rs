@@ -129,8 +129,9 @@ pub(crate) struct TaskInit {
     pub(crate) max_batch_records: usize,
     pub(crate) max_in_flight_records: usize,
     pub(crate) outcome_retention_records: usize,
-    /// Commits are Kafka transactions (`exactly_once_v2`).
-    pub(crate) exactly_once: bool,
+    /// The task's transactional id when commits are Kafka transactions
+    /// (`exactly_once_v2`).
+    pub(crate) transaction: Option<String>,
 }
 
 pub(crate) struct Task {
@@ -214,7 +215,9 @@ impl Task {
             retry: init.retry,
             store: init.store,
             locks: Arc::new(KeyLocks::default()),
-            sink: init.sink_topic.map(|topic| Arc::new(SinkQueue::new(topic))),
+            sink: init
+                .sink_topic
+                .map(|topic| Arc::new(SinkQueue::new(topic, init.transaction.clone()))),
             sink_hold: SinkHold::default(),
             fetching: false,
             append_gen: 1,
@@ -226,8 +229,8 @@ impl Task {
             commit_failures: 0,
             commit_after: None,
             commit_wait: None,
-            tagged_commits: persistent && lanes && !init.exactly_once,
-            exactly_once: init.exactly_once,
+            tagged_commits: persistent && lanes && init.transaction.is_none(),
+            exactly_once: init.transaction.is_some(),
             history: History::new(init.outcome_retention_records, init.start),
             history_start: init.start,
             restore: init.restore,

@@ -54,7 +54,7 @@ fn init(partition: u32, order: ProcessingOrder, t: usize, start: u64, batch: usi
         max_batch_records: batch,
         max_in_flight_records: 1_000,
         outcome_retention_records: 10_000,
-        exactly_once: false,
+        transaction: None,
     }
 }
 
