@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 use taskstream::v1 as pb;
 use taskstream::v1::processor_service_server::{ProcessorService, ProcessorServiceServer};
 use taskstream_server::*;
-use tokio_stream::wrappers::TcpListenerStream;
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -148,9 +147,13 @@ impl Served {
         runtime.spawn(
             tonic::transport::Server::builder()
                 .add_service(ProcessorServiceServer::new(service))
-                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
-                    let _ = stopped.await;
-                }),
+                // TCP_NODELAY: an answer must not wait for the client's delayed ACK.
+                .serve_with_incoming_shutdown(
+                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    async {
+                        let _ = stopped.await;
+                    },
+                ),
         );
         Served {
             addr,

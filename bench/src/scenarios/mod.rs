@@ -6,6 +6,7 @@ mod cpu;
 mod durable;
 mod floor;
 mod ordering;
+mod remote;
 mod retry;
 mod rpc;
 mod scaling;
@@ -79,6 +80,11 @@ pub const SCENARIOS: &[Scenario] = &[
         name: "rpc",
         summary: "ProcessMetadataForStore vs a bare tonic server; GetMetadataAsync into Rust and Python",
         run: rpc::run,
+    },
+    Scenario {
+        name: "remote",
+        summary: "remote ProcessorService sleeping 2 ms per call, T = 1…64, vs a bare tonic client; no-op remote vs count",
+        run: remote::run,
     },
     Scenario {
         name: "durable",
