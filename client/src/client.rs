@@ -330,6 +330,7 @@ mod tests {
             position: 10,
             entries,
             committed_at_ms: 0,
+            host: None,
         }
     }
 

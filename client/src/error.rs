@@ -46,6 +46,7 @@ pub struct FieldViolation {
 /// | `IllegalArgument` | INVALID_ARGUMENT | 2 |
 /// | `UnknownStore` | NOT_FOUND | 3 |
 /// | `IllegalState` | FAILED_PRECONDITION | 4 |
+/// | `NotHosted` | FAILED_PRECONDITION with ErrorInfo reason `PARTITION_NOT_HOSTED` | 4 |
 /// | `NotAvailable` | UNAVAILABLE (from the server) | 5 |
 /// | `OutOfRange` | OUT_OF_RANGE | 6 |
 /// | `Lagged` | RESOURCE_EXHAUSTED with ErrorInfo reason `SUBSCRIBER_LAGGED`, or the in-band `Lagged` notice | 7 |
@@ -62,6 +63,14 @@ pub enum ClientError {
         message: String,
         violations: Vec<PreconditionViolation>,
     },
+
+    /// The partition asked for is held by another instance of the
+    /// application (FAILED_PRECONDITION, ErrorInfo reason
+    /// `PARTITION_NOT_HOSTED`): `owner` is its `host:port` when the server
+    /// knows it (Kafka mode with `forward_queries = false`), so the call can
+    /// be sent there.
+    #[error("{message}")]
+    NotHosted { message: String, owner: Option<String> },
 
     /// A malformed request: empty store name or key, bad offsets or bounds,
     /// or an admin change that would make the configuration invalid.
@@ -129,6 +138,9 @@ impl ClientError {
             };
         }
         match status.code() {
+            Code::FailedPrecondition if let Some(owner) = not_hosted_owner(status) => {
+                ClientError::NotHosted { message, owner }
+            }
             Code::FailedPrecondition => ClientError::IllegalState {
                 message,
                 violations: status
@@ -191,7 +203,7 @@ impl ClientError {
         match self {
             ClientError::IllegalArgument { .. } => 2,
             ClientError::UnknownStore { .. } => 3,
-            ClientError::IllegalState { .. } => 4,
+            ClientError::IllegalState { .. } | ClientError::NotHosted { .. } => 4,
             ClientError::NotAvailable { .. } => 5,
             ClientError::OutOfRange { .. } => 6,
             ClientError::Lagged { .. } => 7,
@@ -261,6 +273,13 @@ fn is_transport_failure(status: &Status) -> bool {
     false
 }
 
+/// For a PARTITION_NOT_HOSTED ErrorInfo: `Some(owner)`, the owner being
+/// its metadata `owner` when present; `None` for any other status.
+fn not_hosted_owner(status: &Status) -> Option<Option<String>> {
+    let info = status.get_details_error_info()?;
+    (info.reason == "PARTITION_NOT_HOSTED").then(|| info.metadata.get("owner").cloned())
+}
+
 /// RESOURCE_EXHAUSTED may carry the count in ErrorInfo metadata `missed_batches`.
 fn missed_batches(status: &Status) -> u64 {
     status
@@ -313,6 +332,26 @@ mod tests {
     use tonic_types::ErrorDetails;
 
     use super::*;
+
+    #[test]
+    fn not_hosted_carries_the_owner() {
+        let mut details = ErrorDetails::new();
+        details.set_error_info(
+            "PARTITION_NOT_HOSTED",
+            "taskstream",
+            std::collections::HashMap::from([("owner".to_string(), "10.0.0.2:50051".to_string())]),
+        );
+        let status = Status::with_error_details(Code::FailedPrecondition, "held elsewhere", details);
+        let error = ClientError::from_status(&status);
+        assert_eq!(
+            error,
+            ClientError::NotHosted {
+                message: "held elsewhere".into(),
+                owner: Some("10.0.0.2:50051".into()),
+            }
+        );
+        assert_eq!(error.exit_code(), 4);
+    }
 
     #[test]
     fn failed_precondition_keeps_violations() {

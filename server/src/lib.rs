@@ -42,8 +42,9 @@ pub use config::{
 };
 pub use log::{Log, LogError, MemoryLog, ProducerRecord, Record, RecordPosition, RedbLog, Retention};
 pub use metadata::{
-    AppState, HostInfo, KeyMetadata, Outcome, OutcomeBatch, PartitionQueryResult, RecordOutcome,
-    RuntimeDescription, StoreMetadata, StreamsMetadata, TaskMetadata, ThreadMetadata, ThreadState, TopicRead,
+    AppState, HostInfo, KeyMetadata, Outcome, OutcomeBatch, PartitionOwner, PartitionQueryResult,
+    RecordOutcome, RuntimeDescription, StoreMetadata, StreamsMetadata, TaskMetadata, ThreadMetadata,
+    ThreadState, TopicRead,
 };
 pub use processor::remote::{ProcessorStatus, RemoteRuntime};
 pub use processor::{Outputs, ProcessError, Processor, ProcessorContext};

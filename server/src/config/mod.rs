@@ -610,10 +610,14 @@ pub struct Config {
     /// Replication factor of the topics taskstream creates in Kafka; -1 takes
     /// the broker's `default.replication.factor` (Kafka Streams' default).
     pub replication_factor: i32,
-    /// Client settings passed to librdkafka as they are (`[kafka]` table:
-    /// security, timeouts, …); nested TOML keys join with dots.
     /// The consumer group protocol on Kafka: `consumer` (KIP-848) or `classic`.
     pub group_protocol: GroupProtocol,
+    /// On Kafka, a Query about partitions another instance holds is
+    /// forwarded to it (true, the default); false answers FAILED_PRECONDITION
+    /// naming the owner, so the client routes itself.
+    pub forward_queries: bool,
+    /// Client settings passed to librdkafka as they are (`[kafka]` table:
+    /// security, timeouts, …); nested TOML keys join with dots.
     #[serde(deserialize_with = "deserialize_kafka_settings")]
     pub kafka: BTreeMap<String, String>,
     /// Largest gRPC message the server reads or writes, in bytes: a bigger request is
@@ -744,6 +748,7 @@ impl Default for Config {
             bootstrap_servers: None,
             replication_factor: -1,
             group_protocol: GroupProtocol::Consumer,
+            forward_queries: true,
             kafka: BTreeMap::new(),
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             max_key_bytes: 64 << 10,
@@ -992,6 +997,14 @@ pub const SETTINGS: &[Setting] = &[
         parse_choice,
         "consumer | classic: Kafka's consumer group protocol (consumer = KIP-848; classic runs \
          cooperative-sticky)."
+    ),
+    setting!(
+        forward_queries,
+        Some("forward-queries"),
+        SWITCH,
+        parse_bool,
+        "On Kafka: forward a Query about another instance's partitions to it (true); false answers \
+         FAILED_PRECONDITION with the owner's host:port, for clients that route themselves."
     ),
     setting!(
         max_message_bytes,
@@ -1244,6 +1257,12 @@ impl Config {
     /// The retry topic of a pipeline: `<application_id>-<pipeline>-retry`.
     pub fn retry_topic(&self, pipeline: &str) -> String {
         format!("{}-{pipeline}-retry", self.application_id)
+    }
+
+    /// The compacted topic where the instances of the application publish
+    /// who holds which partitions (Kafka mode): `<application_id>-metadata`.
+    pub fn metadata_topic(&self) -> String {
+        format!("{}-metadata", self.application_id)
     }
 
     /// The dead-letter topic of a pipeline: `<application_id>-<pipeline>-dlq`.

@@ -1565,6 +1565,34 @@ impl KafkaLog {
     }
 }
 
+impl KafkaLog {
+    /// Appends a tombstone of `key` (a record without a value, which
+    /// compaction removes with the key's earlier records) to the key's
+    /// partition, and waits for its delivery. A reader sees an empty value.
+    pub fn append_tombstone(&self, topic: &str, key: &[u8]) -> Result<RecordPosition, LogError> {
+        self.partition_count(topic)?;
+        let batch = Arc::new(Batch::new(1));
+        let message: BaseRecord<'_, [u8], [u8], Box<Delivery>> = BaseRecord::with_opaque_to(
+            topic,
+            Box::new(Delivery {
+                batch: batch.clone(),
+                index: 0,
+            }),
+        )
+        .key(key);
+        self.producer
+            .send(message)
+            .map_err(|(e, _)| LogError::Unavailable(format!("cannot send to `{topic}`: {e}")))?;
+        let position = batch.wait(1)?.remove(0);
+        let mut ends = self.appended_end.lock().unwrap_or_else(|e| e.into_inner());
+        let end = ends.entry((topic.to_string(), position.partition)).or_insert(0);
+        *end = (*end).max(position.offset + 1);
+        drop(ends);
+        self.notify(topic, position.partition);
+        Ok(position)
+    }
+}
+
 /// Makes records arriving in an empty queue call the append listeners.
 /// The callback fires only when the queue goes from empty to non-empty,
 /// and librdkafka also queues control events (a version barrier at each

@@ -2,6 +2,9 @@
 //! shows them, record outcomes published in batches (one per completed range,
 //! or per run released in offset order), and the answers of queries and
 //! topic reads. The subscriptions that stream outcomes belong to the runtime.
+//! `cluster` is the view of which instance holds which partitions (Kafka mode).
+
+pub mod cluster;
 
 use crate::config::ProcessingOrder;
 use crate::log::Record;
@@ -13,6 +16,17 @@ use std::sync::Arc;
 pub struct HostInfo {
     pub host: String,
     pub port: u16,
+}
+
+/// `host:port`, with an IPv6 host in brackets: what a client connects to.
+impl std::fmt::Display for HostInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -88,6 +102,14 @@ pub struct KeyMetadata {
     pub task_id: String,
     pub active_host: HostInfo,
     pub standby_hosts: Vec<HostInfo>,
+}
+
+/// Who answers a partition of a store: this instance, or another instance
+/// of the application (Kafka mode, from the metadata topic).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PartitionOwner {
+    Local,
+    Remote(HostInfo),
 }
 
 /// One partition's answer to an interactive query.

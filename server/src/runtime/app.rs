@@ -12,11 +12,11 @@ use super::{RuntimeError, commit, describe, driver, recovery};
 use crate::config::{Config, ProcessingOrder};
 use crate::log::{Log, ProducerRecord, RecordPosition, partition_for_key};
 use crate::metadata::{
-    AppState, HostInfo, KeyMetadata, OutcomeBatch, PartitionQueryResult, RuntimeDescription, StoreMetadata,
-    TopicRead,
+    AppState, HostInfo, KeyMetadata, OutcomeBatch, PartitionOwner, PartitionQueryResult, RuntimeDescription,
+    StoreMetadata, StreamsMetadata, TopicPartition, TopicRead,
 };
 use bytes::Bytes;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -146,12 +146,73 @@ impl StreamsApp {
         check_in_order(shared, p, in_order)?;
         let pipeline = &shared.pipelines[p];
         let scheduler = shared.lock();
+        let local = describe::streams_metadata(shared, &scheduler, &[p]);
+        let instances = match shared.cluster() {
+            None => vec![local],
+            Some(cluster) => cluster_metadata(shared, cluster, p, local)?,
+        };
         Ok(StoreMetadata {
-            instances: vec![describe::streams_metadata(shared, &scheduler, &[p])],
+            instances,
             processing_order: pipeline.order,
             threads_per_task: pipeline.threads_per_task as u32,
             in_order: pipeline.order == ProcessingOrder::Offset,
         })
+    }
+
+    /// The partition of `key` in `store`: Kafka's default partitioner.
+    pub fn key_partition(&self, store: &str, key: &[u8]) -> Result<u32, RuntimeError> {
+        let shared = self.shared();
+        let p = shared.pipeline_index(store)?;
+        key_partition(shared, p, key)
+    }
+
+    /// Who answers each of `partitions` of `store` (sorted, without
+    /// repeats): this instance when it hosts the task, else, in Kafka mode,
+    /// the instance the metadata topic names. Empty `partitions` means every
+    /// partition of the store in Kafka mode, every one hosted here otherwise.
+    /// A partition nobody else holds is `Unavailable` (the group is moving
+    /// it); outside Kafka mode a partition not hosted here is `NotHosted`.
+    pub fn route(&self, store: &str, partitions: &[u32]) -> Result<Vec<(u32, PartitionOwner)>, RuntimeError> {
+        let shared = self.shared();
+        shared.ensure_running()?;
+        let p = shared.pipeline_index(store)?;
+        let Some(cluster) = shared.cluster() else {
+            return Ok(hosted_partitions(shared, p, partitions)?
+                .into_iter()
+                .map(|partition| (partition, PartitionOwner::Local))
+                .collect());
+        };
+        check_partitions(shared, p, partitions)?;
+        let pipeline = &shared.pipelines[p];
+        let mut wanted: Vec<u32> = match partitions {
+            [] => (0..pipeline.partitions).collect(),
+            some => some.to_vec(),
+        };
+        wanted.sort_unstable();
+        wanted.dedup();
+        let scheduler = shared.lock();
+        let view = cluster.view();
+        let mut routes = Vec::with_capacity(wanted.len());
+        let mut moving = Vec::new();
+        for partition in wanted {
+            if scheduler.task_index(p, partition).is_some() {
+                routes.push((partition, PartitionOwner::Local));
+                continue;
+            }
+            match view.owner(&pipeline.name, partition) {
+                Some(owner) if owner.key() != cluster.me() => {
+                    routes.push((partition, PartitionOwner::Remote(owner.host_info())));
+                }
+                // Nobody, or this instance's own record from before the
+                // partition left: it is on the move.
+                _ => moving.push(partition),
+            }
+        }
+        if moving.is_empty() {
+            Ok(routes)
+        } else {
+            Err(RuntimeError::partitions_moving(&pipeline.name, &moving))
+        }
     }
 
     /// The partition of `key` and the hosts serving it.
@@ -161,15 +222,16 @@ impl StreamsApp {
         let p = shared.pipeline_index(store)?;
         let pipeline = &shared.pipelines[p];
         let partition = key_partition(shared, p, key)?;
-        if shared.lock().task_index(p, partition).is_none() {
-            return Err(not_hosted(shared, p, partition));
-        }
+        let active_host = match self.route(store, &[partition])?.pop() {
+            Some((_, PartitionOwner::Remote(owner))) => owner,
+            _ => shared.host_info.clone(),
+        };
         Ok(KeyMetadata {
             store: store.to_string(),
             topic: pipeline.topic.to_string(),
             partition,
             task_id: format!("{}_{}", pipeline.name, partition),
-            active_host: shared.host_info.clone(),
+            active_host,
             standby_hosts: Vec::new(),
         })
     }
@@ -582,6 +644,11 @@ fn shutdown(shared: &Shared) -> Result<(), RuntimeError> {
     if let Some(kafka) = shared.log.as_kafka() {
         kafka.leave_group();
     }
+    // After the group: its revocation published the emptied assignment;
+    // the tombstone says this instance is gone.
+    if let Some(cluster) = shared.cluster() {
+        cluster.leave();
+    }
     let _membership = shared.membership.lock().unwrap_or_else(|e| e.into_inner());
     if shared.app_state() == AppState::Stopped {
         return Ok(());
@@ -634,10 +701,70 @@ fn check_live(shared: &Shared) -> Result<(), RuntimeError> {
     }
 }
 
+/// A partition not hosted here, naming its owner when the metadata topic does.
 fn not_hosted(shared: &Shared, pipeline: usize, partition: u32) -> RuntimeError {
+    let name = &shared.pipelines[pipeline].name;
+    let owner = shared.cluster().and_then(|cluster| {
+        let view = cluster.view();
+        view.owner(name, partition)
+            .filter(|owner| owner.key() != cluster.me())
+            .map(|owner| owner.host_info())
+    });
     RuntimeError::NotHosted {
-        store: shared.pipelines[pipeline].name.to_string(),
+        store: name.to_string(),
         partition,
+        owner,
+    }
+}
+
+/// Kafka mode: this instance's metadata (its tasks) and, from the metadata
+/// topic, every other instance holding partitions of pipeline `p` (their
+/// partitions; their tasks are theirs to describe). Partitions are disjoint;
+/// when they do not cover the store, the group is moving some: `Unavailable`.
+fn cluster_metadata(
+    shared: &Shared,
+    cluster: &super::cluster::Cluster,
+    p: usize,
+    local: StreamsMetadata,
+) -> Result<Vec<StreamsMetadata>, RuntimeError> {
+    let pipeline = &shared.pipelines[p];
+    let mut covered: BTreeSet<u32> = local.topic_partitions.iter().map(|tp| tp.partition).collect();
+    let mut instances = Vec::new();
+    if !covered.is_empty() {
+        instances.push(local);
+    }
+    let view = cluster.view();
+    for (record, partitions) in view.holders(&pipeline.name) {
+        // This instance answers for itself from its tasks, not its record.
+        if record.key() == cluster.me() {
+            continue;
+        }
+        let partitions: Vec<u32> = partitions.into_iter().filter(|x| !covered.contains(x)).collect();
+        if partitions.is_empty() {
+            continue;
+        }
+        covered.extend(&partitions);
+        instances.push(StreamsMetadata {
+            host_info: record.host_info(),
+            state_store_names: record.partitions.keys().cloned().collect(),
+            topic_partitions: partitions
+                .into_iter()
+                .map(|partition| TopicPartition {
+                    topic: pipeline.topic.to_string(),
+                    partition,
+                })
+                .collect(),
+            standby_topic_partitions: Vec::new(),
+            tasks: Vec::new(),
+        });
+    }
+    let missing: Vec<u32> = (0..pipeline.partitions)
+        .filter(|x| !covered.contains(x))
+        .collect();
+    if missing.is_empty() {
+        Ok(instances)
+    } else {
+        Err(RuntimeError::partitions_moving(&pipeline.name, &missing))
     }
 }
 

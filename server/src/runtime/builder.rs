@@ -188,6 +188,13 @@ fn join_group(shared: &Arc<Shared>) -> Result<(), RuntimeError> {
     let mut topics: Vec<String> = shared.pipelines.iter().map(|p| p.topic.to_string()).collect();
     topics.sort();
     topics.dedup();
+    // Who holds what is exchanged through the metadata topic: read from
+    // the start before joining, so the view fills while the group assigns.
+    let topic = shared.config.metadata_topic();
+    shared.log.ensure_topic(&topic, 1)?;
+    let cluster = super::cluster::Cluster::start(shared.log.clone(), topic, shared.host_info.clone())
+        .map_err(RuntimeError::Internal)?;
+    shared.set_cluster(cluster);
     shared.set_rebalancing(true);
     let listener = Arc::new(Membership::new(Arc::downgrade(shared)));
     kafka

@@ -3,6 +3,7 @@
 
 use crate::config::{ConfigError, ProcessingOrder};
 use crate::log::LogError;
+use crate::metadata::HostInfo;
 use std::borrow::Cow;
 use std::time::Duration;
 
@@ -60,9 +61,17 @@ pub enum RuntimeError {
     UnknownTopic(String),
 
     /// The partition's task is not on this instance (never assigned here,
-    /// or moved away); another instance of the application holds it.
-    #[error("partition {partition} of store `{store}` is not hosted by this instance")]
-    NotHosted { store: String, partition: u32 },
+    /// or moved away); another instance of the application holds it:
+    /// `owner`, when this instance knows it (Kafka mode).
+    #[error(
+        "partition {partition} of store `{store}` is not hosted by this instance{}",
+        owner.as_ref().map(|o| format!("; {o} holds it")).unwrap_or_default()
+    )]
+    NotHosted {
+        store: String,
+        partition: u32,
+        owner: Option<HostInfo>,
+    },
 
     /// The last commit of these tasks failed (task id: error): what they
     /// processed since their previous commit runs again after a restart.
@@ -126,6 +135,16 @@ impl RuntimeError {
             setting: setting.into(),
             limit,
             message: message.into(),
+        }
+    }
+
+    /// Partitions without a known owner: the group is moving them.
+    pub fn partitions_moving(store: &str, partitions: &[u32]) -> Self {
+        RuntimeError::Unavailable {
+            reason: format!(
+                "partitions {partitions:?} of store `{store}` are moving between instances (the group is rebalancing)"
+            ),
+            retry_after: Duration::from_millis(500),
         }
     }
 

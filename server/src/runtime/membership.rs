@@ -1,8 +1,9 @@
 //! Kafka mode's consumer group as the application: the `GroupListener` that
 //! turns the group's assignment into added tasks (every pipeline reading the
 //! assigned topic partition) and its revocation into removed ones — drained,
-//! committed and closed before the rebalance completes — and marks the
-//! instance REBALANCING meanwhile.
+//! committed and closed before the rebalance completes — marks the
+//! instance REBALANCING meanwhile, and publishes what it holds after each
+//! rebalance step (see `cluster`).
 
 use super::shared::Shared;
 use super::{RuntimeError, app};
@@ -109,6 +110,11 @@ impl GroupListener for Membership {
             partitions = assignment.len(),
             "kafka group: rebalance step done"
         );
+        // The tasks, not the assignment: a partition whose task could not
+        // be added is not answered here.
+        if let Some(cluster) = shared.cluster() {
+            cluster.publish(generation, shared.hosted());
+        }
         shared.set_rebalancing(false);
     }
 }

@@ -14,6 +14,7 @@
 //! - `sink`: output records on their way to the pipeline's sink topic, in its order.
 //! - `subscription`: outcome feeds and subscribers.
 //! - `membership`: Kafka mode's consumer group turned into added and removed tasks.
+//! - `cluster`: Kafka mode's metadata topic: who holds what, published and read.
 //! - `app`, `builder`: the library API.
 //!
 //! Scheduling state sits behind one mutex taken per unit of work (a batch of
@@ -23,6 +24,7 @@ mod app;
 mod attempt;
 mod builder;
 mod changelog;
+mod cluster;
 mod commit;
 mod describe;
 mod driver;

@@ -102,6 +102,9 @@ pub(crate) struct Shared {
     /// them (a commit still being written) is gone: a task added again waits
     /// for that before it opens its store (a file is opened once at a time).
     pub(crate) closing: Mutex<Vec<(Arc<str>, std::sync::Weak<super::stores::TaskStore>)>>,
+    /// Kafka mode with the group: the metadata topic's publisher and reader,
+    /// set once at start before the group is joined.
+    cluster: std::sync::OnceLock<Arc<super::cluster::Cluster>>,
 }
 
 impl Shared {
@@ -133,7 +136,33 @@ impl Shared {
             closing: Mutex::new(Vec::new()),
             unflushed: std::sync::atomic::AtomicBool::new(false),
             rebalancing: std::sync::atomic::AtomicBool::new(false),
+            cluster: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The metadata topic's side of this instance, in Kafka mode with the group.
+    pub(crate) fn cluster(&self) -> Option<&Arc<super::cluster::Cluster>> {
+        self.cluster.get()
+    }
+
+    pub(crate) fn set_cluster(&self, cluster: Arc<super::cluster::Cluster>) {
+        let _ = self.cluster.set(cluster);
+    }
+
+    /// Pipeline → partitions of the tasks hosted here now.
+    pub(crate) fn hosted(&self) -> std::collections::BTreeMap<String, std::collections::BTreeSet<u32>> {
+        let scheduler = self.lock();
+        let mut hosted: std::collections::BTreeMap<String, std::collections::BTreeSet<u32>> = self
+            .pipelines
+            .iter()
+            .map(|p| (p.name.to_string(), std::collections::BTreeSet::new()))
+            .collect();
+        for (_, task) in scheduler.tasks() {
+            if let Some(partitions) = hosted.get_mut(&*self.pipelines[task.pipeline()].name) {
+                partitions.insert(task.partition());
+            }
+        }
+        hosted
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, Scheduler> {

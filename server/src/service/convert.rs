@@ -113,8 +113,10 @@ pub fn key_metadata(key: &KeyMetadata) -> pb::MetadataForKeyResponse {
     }
 }
 
-pub fn partition_result(result: PartitionQueryResult) -> pb::PartitionResult {
+/// One partition's answer, naming `host`, the instance that answered it.
+pub fn partition_result(result: PartitionQueryResult, host: &HostInfo) -> pb::PartitionResult {
     pb::PartitionResult {
+        host: Some(host_info(host)),
         partition: result.partition,
         position: offset(result.position),
         entries: result

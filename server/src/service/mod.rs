@@ -1,12 +1,14 @@
 //! The gRPC service: [`serve`] runs `StreamsService`, `AdminService`,
 //! `grpc.health.v1` and server reflection (v1 and v1alpha) over one `StreamsApp`,
 //! and on shutdown drains the app and commits its watermarks. Handlers are a thin
-//! translation (`request` in, `convert` out); `status::to_status` is the one place
-//! where errors become `Status`. The service knows nothing of threads.
+//! translation (`request` in, `convert` out; `forward` asks the instance holding
+//! a partition, in Kafka mode); `status::to_status` is the one place where
+//! errors become `Status`. The service knows nothing of threads.
 
 mod admin;
 mod auth;
 mod convert;
+mod forward;
 mod outcomes;
 mod request;
 mod status;
@@ -18,9 +20,9 @@ pub use admin::AdminHandler;
 pub use auth::{Auth, AuthLayer, Caller, Role, Tokens, TokensError, required_role, role_of};
 pub use outcomes::STREAM_CHANNEL_CAPACITY;
 pub use status::{
-    ERROR_DOMAIN, MESSAGE_SIZE_SETTING, PRECONDITION_PROCESSING_ORDER, REASON_LIMIT_EXCEEDED,
-    REASON_OFFSET_OUT_OF_RANGE, REASON_OFFSET_PAST_END, REASON_ROLE_REQUIRED, REASON_SUBSCRIBER_LAGGED,
-    ServiceError, from_transport, to_status,
+    ERROR_DOMAIN, MESSAGE_SIZE_SETTING, METADATA_OWNER, PRECONDITION_PROCESSING_ORDER, REASON_LIMIT_EXCEEDED,
+    REASON_NOT_HOSTED, REASON_OFFSET_OUT_OF_RANGE, REASON_OFFSET_PAST_END, REASON_ROLE_REQUIRED,
+    REASON_SUBSCRIBER_LAGGED, ServiceError, from_transport, to_status,
 };
 pub use streams::StreamsHandler;
 pub use telemetry::{RpcTelemetry, RpcTelemetryLayer, code_name};

@@ -177,7 +177,16 @@ pub enum StoreQuery {
     },
 }
 
-pub fn store_query(request: pb::QueryRequest) -> Result<(String, StoreQuery), RuntimeError> {
+/// A Query request as the handler routes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueryArgs {
+    pub store: String,
+    pub query: StoreQuery,
+    /// Answer from this instance's partitions only (see `QueryRequest.local_only`).
+    pub local_only: bool,
+}
+
+pub fn store_query(request: pb::QueryRequest) -> Result<QueryArgs, RuntimeError> {
     check_store(&request.store)?;
     let query = match request.query {
         None => {
@@ -216,7 +225,11 @@ pub fn store_query(request: pb::QueryRequest) -> Result<(String, StoreQuery), Ru
             }
         }
     };
-    Ok((request.store, query))
+    Ok(QueryArgs {
+        store: request.store,
+        query,
+        local_only: request.local_only,
+    })
 }
 
 /// The bounds a Produce request keeps (settings of the same names).
@@ -352,7 +365,7 @@ pub fn page_token(resume: &RangeResume) -> bytes::Bytes {
     bytes::Bytes::from(token)
 }
 
-fn parse_page_token(token: &bytes::Bytes) -> Result<Option<RangeResume>, RuntimeError> {
+pub fn parse_page_token(token: &bytes::Bytes) -> Result<Option<RangeResume>, RuntimeError> {
     if token.is_empty() {
         return Ok(None);
     }
@@ -575,10 +588,25 @@ mod tests {
             ..request.clone()
         };
         // The empty key is a key, as in Kafka.
-        assert_eq!(store_query(key(b"")).unwrap().1, StoreQuery::Key(Bytes::new()));
+        assert_eq!(
+            store_query(key(b"")).unwrap().query,
+            StoreQuery::Key(Bytes::new())
+        );
         assert_eq!(
             store_query(key(b"k1")).unwrap(),
-            ("counts".to_string(), StoreQuery::Key(Bytes::from_static(b"k1")))
+            QueryArgs {
+                store: "counts".to_string(),
+                query: StoreQuery::Key(Bytes::from_static(b"k1")),
+                local_only: false,
+            }
+        );
+        assert!(
+            store_query(pb::QueryRequest {
+                local_only: true,
+                ..key(b"k1")
+            })
+            .unwrap()
+            .local_only
         );
 
         let range = |from: Option<&'static [u8]>, to: Option<&'static [u8]>| pb::QueryRequest {
@@ -595,7 +623,7 @@ mod tests {
             "range"
         );
         assert_eq!(
-            store_query(range(None, Some(b"m"))).unwrap().1,
+            store_query(range(None, Some(b"m"))).unwrap().query,
             StoreQuery::Range {
                 from: None,
                 to: Some(Bytes::from_static(b"m")),
@@ -613,7 +641,7 @@ mod tests {
             ..range(None, None)
         })
         .unwrap();
-        assert!(matches!(page.1, StoreQuery::Range { resume: Some(r), .. } if r == resume));
+        assert!(matches!(page.query, StoreQuery::Range { resume: Some(r), .. } if r == resume));
         let error = store_query(pb::QueryRequest {
             page_token: Bytes::from_static(b"forged"),
             ..range(None, None)

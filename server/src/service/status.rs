@@ -1,7 +1,8 @@
 //! The one place where errors become `tonic::Status`: every `RuntimeError`, the
 //! service's own request validation (as `RuntimeError::InvalidArgument`) and a
-//! subscriber dropped for being slow, each with the google.rpc details a client
-//! can act on (BadRequest, PreconditionFailure, ResourceInfo, RetryInfo, ErrorInfo);
+//! subscriber dropped for being slow, and the outcome of a query forwarded to
+//! another instance, each with the google.rpc details a client can act on
+//! (BadRequest, PreconditionFailure, ResourceInfo, RetryInfo, ErrorInfo);
 //! and the statuses tonic makes itself while reading a request (malformed protobuf,
 //! a message over the size limit), restated in the API's terms ([`from_transport`]).
 //! Whatever an answer repeats of client input is cut to `MAX_ECHO_BYTES`.
@@ -20,6 +21,8 @@ pub const PRECONDITION_PROCESSING_ORDER: &str = "PROCESSING_ORDER";
 
 /// ErrorInfo reason: the partition asked for is held by another instance.
 pub const REASON_NOT_HOSTED: &str = "PARTITION_NOT_HOSTED";
+/// `ErrorInfo.metadata` key of `REASON_NOT_HOSTED`: the holder's `host:port`.
+pub const METADATA_OWNER: &str = "owner";
 
 /// `ErrorInfo.reason` of a stream ended because its subscriber fell behind
 /// (RESOURCE_EXHAUSTED with `slow_subscriber = "fail"`).
@@ -38,6 +41,9 @@ pub const REASON_ROLE_REQUIRED: &str = "ROLE_REQUIRED";
 /// Longest server-written sentence in an answer (it may hold echoes, each cut already).
 const MAX_SENTENCE_BYTES: usize = 1024;
 
+/// When to try again after a forwarded query could not be answered.
+const PEER_RETRY: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// `ErrorInfo.reason` of a stream that asked for offsets no longer retained.
 pub const REASON_OFFSET_OUT_OF_RANGE: &str = "OFFSET_OUT_OF_RANGE";
 /// ErrorInfo reason of a stream start past the end of its partition.
@@ -50,6 +56,21 @@ pub const REASON_OFFSET_PAST_END: &str = "OFFSET_PAST_END";
 pub enum ServiceError {
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
+
+    /// A query forwarded to the instance holding its partitions could not
+    /// reach it (it stopped, or the network failed).
+    #[error("cannot reach {host}, which holds the partitions asked for: {reason}")]
+    PeerUnreachable { host: String, reason: String },
+
+    /// The instance a query was forwarded to answered with an error: its
+    /// code, message and details (the `grpc-status-details-bin` bytes).
+    #[error("{host} answered: {message}")]
+    Peer {
+        host: String,
+        code: Code,
+        message: String,
+        details: bytes::Bytes,
+    },
 
     /// A GetMetadataAsync subscriber fell behind its bounded buffer while the
     /// server runs with `slow_subscriber = "fail"`.
@@ -162,19 +183,48 @@ pub fn to_status(error: impl Into<ServiceError>) -> Status {
                 ]),
             ),
         ),
-        ServiceError::Runtime(RuntimeError::NotHosted { store, partition }) => Status::with_error_details(
-            Code::FailedPrecondition,
+        ServiceError::Runtime(RuntimeError::NotHosted {
+            store,
+            partition,
+            owner,
+        }) => {
+            let mut metadata = HashMap::from([
+                ("store".to_string(), store.clone()),
+                ("partition".to_string(), partition.to_string()),
+            ]);
+            // In Kafka mode: where a client routing itself sends the call.
+            if let Some(owner) = owner {
+                metadata.insert(METADATA_OWNER.to_string(), owner.to_string());
+            }
+            Status::with_error_details(
+                Code::FailedPrecondition,
+                message,
+                ErrorDetails::with_error_info(REASON_NOT_HOSTED, ERROR_DOMAIN, metadata),
+            )
+        }
+        ServiceError::PeerUnreachable { .. } => Status::with_error_details(
+            Code::Unavailable,
             message,
-            // The Kafka mode adds the owner's host:port here.
-            ErrorDetails::with_error_info(
-                REASON_NOT_HOSTED,
-                ERROR_DOMAIN,
-                HashMap::from([
-                    ("store".to_string(), store.clone()),
-                    ("partition".to_string(), partition.to_string()),
-                ]),
-            ),
+            ErrorDetails::with_retry_info(Some(PEER_RETRY)),
         ),
+        ServiceError::Peer { code, details, .. } => {
+            let moved = Status::with_details(*code, message.clone(), details.clone())
+                .get_details_error_info()
+                .is_some_and(|info| info.reason == REASON_NOT_HOSTED);
+            if moved {
+                // The metadata topic named an instance that no longer holds
+                // the partition: it is moving, ask again shortly.
+                Status::with_error_details(
+                    Code::Unavailable,
+                    format!("{message}; the partition is moving between instances"),
+                    ErrorDetails::with_retry_info(Some(PEER_RETRY)),
+                )
+            } else {
+                // The owner's own answer (UNAVAILABLE while it restores,
+                // NOT_FOUND, …), details included.
+                Status::with_details(*code, message, details.clone())
+            }
+        }
         ServiceError::Runtime(RuntimeError::CommitFailed(failures)) => {
             // Task ids and storage errors are the server's business: logs only.
             tracing::error!(failures = ?failures, "commit failure answered as INTERNAL");
@@ -270,9 +320,14 @@ fn bounded(error: ServiceError) -> ServiceError {
         },
         RuntimeError::UnknownStore(store) => RuntimeError::UnknownStore(name(store)),
         RuntimeError::UnknownTopic(topic) => RuntimeError::UnknownTopic(name(topic)),
-        RuntimeError::NotHosted { store, partition } => RuntimeError::NotHosted {
+        RuntimeError::NotHosted {
+            store,
+            partition,
+            owner,
+        } => RuntimeError::NotHosted {
             store: name(store),
             partition,
+            owner,
         },
         RuntimeError::Unavailable { reason, retry_after } => RuntimeError::Unavailable {
             reason: sentence(reason),
@@ -506,6 +561,73 @@ mod tests {
         assert_eq!(info.reason, REASON_OFFSET_PAST_END);
         assert_eq!(info.metadata["end"], "7");
         assert_eq!(info.metadata["requested"], "50");
+    }
+
+    #[test]
+    fn not_hosted_names_the_owner_when_known() {
+        let status = to_status(RuntimeError::NotHosted {
+            store: "counts".into(),
+            partition: 4,
+            owner: Some(crate::metadata::HostInfo {
+                host: "10.0.0.7".into(),
+                port: 50052,
+            }),
+        });
+        assert_eq!(status.code(), Code::FailedPrecondition);
+        assert!(status.message().contains("10.0.0.7:50052"), "{status:?}");
+        let info = status.get_details_error_info().expect("ErrorInfo detail");
+        assert_eq!(info.reason, REASON_NOT_HOSTED);
+        assert_eq!(info.metadata[METADATA_OWNER], "10.0.0.7:50052");
+        assert_eq!(info.metadata["partition"], "4");
+
+        let status = to_status(RuntimeError::NotHosted {
+            store: "counts".into(),
+            partition: 4,
+            owner: None,
+        });
+        let info = status.get_details_error_info().expect("ErrorInfo detail");
+        assert!(!info.metadata.contains_key(METADATA_OWNER));
+    }
+
+    #[test]
+    fn a_peers_answer_passes_through_and_a_moved_partition_is_unavailable() {
+        let peer = to_status(RuntimeError::Unavailable {
+            reason: "restoring".into(),
+            retry_after: Duration::from_millis(200),
+        });
+        let status = to_status(ServiceError::Peer {
+            host: "h:1".into(),
+            code: peer.code(),
+            message: peer.message().into(),
+            details: peer.details().to_vec().into(),
+        });
+        assert_eq!(status.code(), Code::Unavailable);
+        assert!(status.message().starts_with("h:1 answered"), "{status:?}");
+        assert_eq!(
+            status.get_details_retry_info().expect("RetryInfo").retry_delay,
+            Some(Duration::from_millis(200))
+        );
+
+        let moved = to_status(RuntimeError::NotHosted {
+            store: "counts".into(),
+            partition: 1,
+            owner: None,
+        });
+        let status = to_status(ServiceError::Peer {
+            host: "h:1".into(),
+            code: moved.code(),
+            message: moved.message().into(),
+            details: moved.details().to_vec().into(),
+        });
+        assert_eq!(status.code(), Code::Unavailable);
+        assert!(status.get_details_retry_info().is_some());
+
+        let status = to_status(ServiceError::PeerUnreachable {
+            host: "h:1".into(),
+            reason: "connection refused".into(),
+        });
+        assert_eq!(status.code(), Code::Unavailable);
+        assert!(status.get_details_retry_info().is_some());
     }
 
     #[test]

@@ -1,15 +1,19 @@
 //! `taskstream.v1.StreamsService`: metadata, record-outcome streams, interactive
 //! queries, produce and topic reads. Each handler checks its request, calls `StreamsApp`
-//! and translates the answer; errors go through `status::to_status`.
+//! and translates the answer; errors go through `status::to_status`. A Query
+//! about partitions another instance holds (Kafka mode) goes to it (`forward`).
 
 use super::auth::{Role, role_of};
 use super::convert::{self, PartitionRanges};
+use super::forward::{self, Peers};
 use super::outcomes::{self, PumpSettings, STREAM_CHANNEL_CAPACITY, StreamItem};
-use super::request::{self, StoreQuery};
+use super::request::{self, QueryArgs, StoreQuery};
 use super::status::{ServiceError, to_status};
 use crate::config::Config;
+use crate::metadata::{HostInfo, PartitionOwner};
 use crate::runtime::echo;
 use crate::runtime::{RangePage, RuntimeError, StreamsApp};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use taskstream::v1 as pb;
 use taskstream::v1::streams_service_server::StreamsService;
@@ -25,16 +29,81 @@ pub struct StreamsHandler {
     app: StreamsApp,
     /// One permit per open GetMetadataAsync stream (`max_subscribers`), held by its pump.
     subscribers: Arc<Semaphore>,
+    /// The other instances, for queries about their partitions (Kafka mode).
+    peers: Arc<Peers>,
+}
+
+/// Who answers a Query: this instance (`local`: the partitions to read, or
+/// `None` when it has none of them) and the instances holding the rest.
+struct QueryPlan {
+    local: Option<Vec<u32>>,
+    remote: Vec<(HostInfo, Vec<u32>)>,
 }
 
 impl StreamsHandler {
     pub fn new(app: StreamsApp) -> Self {
         let subscribers = Arc::new(Semaphore::new(app.config().max_subscribers));
-        StreamsHandler { app, subscribers }
+        StreamsHandler {
+            app,
+            subscribers,
+            peers: Arc::new(Peers::default()),
+        }
     }
 
     fn produce_limits(&self) -> request::ProduceLimits {
         request::ProduceLimits::of(self.app.config())
+    }
+
+    /// Routes a query by partition (see `StreamsApp::route`). Partitions of
+    /// other instances with `forward_queries = false` are refused, naming
+    /// the owner, so that the client asks it.
+    fn plan(&self, args: &QueryArgs) -> Result<QueryPlan, RuntimeError> {
+        let asked = match &args.query {
+            StoreQuery::Range { partitions, .. } => partitions.clone(),
+            StoreQuery::Key(key) => vec![self.app.key_partition(&args.store, key)?],
+        };
+        if args.local_only {
+            return Ok(QueryPlan {
+                local: Some(asked),
+                remote: Vec::new(),
+            });
+        }
+        // A later page: partitions before its token are done, wherever they are.
+        let done = match &args.query {
+            StoreQuery::Range {
+                resume: Some(resume), ..
+            } => resume.partition,
+            _ => 0,
+        };
+        let mut local = Vec::new();
+        let mut remote: BTreeMap<String, (HostInfo, Vec<u32>)> = BTreeMap::new();
+        for (partition, owner) in self.app.route(&args.store, &asked)? {
+            if partition < done {
+                continue;
+            }
+            match owner {
+                PartitionOwner::Local => local.push(partition),
+                PartitionOwner::Remote(owner) if !self.app.config().forward_queries => {
+                    return Err(RuntimeError::NotHosted {
+                        store: args.store.clone(),
+                        partition,
+                        owner: Some(owner),
+                    });
+                }
+                PartitionOwner::Remote(owner) => {
+                    remote
+                        .entry(owner.to_string())
+                        .or_insert_with(|| (owner, Vec::new()))
+                        .1
+                        .push(partition);
+                }
+            }
+        }
+        Ok(QueryPlan {
+            // An empty list would mean "every partition hosted here".
+            local: (!local.is_empty()).then_some(local),
+            remote: remote.into_values().collect(),
+        })
     }
 
     /// Internal topics (retry, dead-letter, changelog, metadata) belong to the runtime:
@@ -130,37 +199,82 @@ impl StreamsService for StreamsHandler {
         Ok(Response::new(convert::key_metadata(&metadata)))
     }
 
+    /// Answers from this instance's partitions and, unless `local_only`,
+    /// asks the instances holding the others (Kafka mode), all at once; the
+    /// answers merge by partition into one page (`forward::merge_pages`),
+    /// each partition naming the host that answered.
     async fn query(&self, request: Request<pb::QueryRequest>) -> Result<Response<pb::QueryResponse>, Status> {
-        let (store, query) = request::store_query(request.into_inner()).map_err(to_status)?;
-        let app = self.app.clone();
-        let name = store.clone();
-        // A persistent store is read from disk: off the async workers.
-        let max_bytes = self.app.config().max_response_bytes;
-        let page = blocking(move || match query {
-            StoreQuery::Key(key) => Ok(RangePage {
-                results: vec![app.query_key(&name, &key)?],
-                next: None,
-            }),
-            StoreQuery::Range {
-                from,
-                to,
+        // The owner checks the caller's token as this instance did.
+        let authorization = request.metadata().get("authorization").cloned();
+        let request = request.into_inner();
+        let args = request::store_query(request.clone()).map_err(to_status)?;
+        let plan = self.plan(&args).map_err(to_status)?;
+        let mut remote = Vec::with_capacity(plan.remote.len());
+        for (owner, partitions) in plan.remote {
+            let peers = self.peers.clone();
+            // The same page token: an owner skips what lies before it.
+            let request = pb::QueryRequest {
                 partitions,
-                limit,
-                resume,
-            } => app.query_range_page(
-                &name,
-                from.as_deref(),
-                to.as_deref(),
-                &partitions,
-                limit,
-                max_bytes,
-                resume.as_ref(),
+                ..request.clone()
+            };
+            let authorization = authorization.clone();
+            remote.push(tokio::spawn(async move {
+                peers.query(&owner, request, authorization).await
+            }));
+        }
+        let app = self.app.clone();
+        let store = args.store.clone();
+        let max_bytes = self.app.config().max_response_bytes;
+        // A persistent store is read from disk: off the async workers.
+        let local = match plan.local {
+            None => None,
+            Some(partitions) => Some(
+                blocking(move || match args.query {
+                    StoreQuery::Key(key) => Ok(RangePage {
+                        results: vec![app.query_key(&store, &key)?],
+                        next: None,
+                    }),
+                    StoreQuery::Range {
+                        from,
+                        to,
+                        limit,
+                        resume,
+                        ..
+                    } => app.query_range_page(
+                        &store,
+                        from.as_deref(),
+                        to.as_deref(),
+                        &partitions,
+                        limit,
+                        max_bytes,
+                        resume.as_ref(),
+                    ),
+                })
+                .await?,
             ),
-        })
-        .await?;
+        };
+        let mut pages: Vec<forward::Page> = Vec::with_capacity(remote.len() + 1);
+        if let Some(page) = local {
+            let host = self.app.host_info();
+            pages.push(forward::Page {
+                results: page
+                    .results
+                    .into_iter()
+                    .map(|result| convert::partition_result(result, &host))
+                    .collect(),
+                next: page.next,
+            });
+        }
+        for answer in remote {
+            let answer = answer
+                .await
+                .map_err(|e| to_status(RuntimeError::Internal(format!("forwarded query failed: {e}"))))?;
+            pages.push(answer.map_err(to_status)?);
+        }
+        let page = forward::merge_pages(pages, max_bytes);
         Ok(Response::new(pb::QueryResponse {
-            store,
-            results: page.results.into_iter().map(convert::partition_result).collect(),
+            store: args.store,
+            results: page.results,
             next_page_token: page.next.as_ref().map(request::page_token).unwrap_or_default(),
         }))
     }
