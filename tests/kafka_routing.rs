@@ -2,7 +2,8 @@
 //! instances of one application publish who holds what to the compacted
 //! `<application_id>-metadata` topic, and three server binaries sharing 12
 //! partitions answer metadata, key lookups and queries for each other
-//! (forwarding, or naming the owner with `forward_queries = false`).
+//! (forwarding, or naming the owner with `forward_queries = false`), and the
+//! client merges the record outcomes of all three (`get_metadata_async_all`).
 
 mod common;
 
@@ -13,7 +14,7 @@ use std::io::{BufRead as _, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
-use taskstream_client::{ClientError, StreamsClient, keyed_record, v1};
+use taskstream_client::{ClientError, MetadataBatch, MetadataOptions, StreamsClient, keyed_record, v1};
 use taskstream_server::Log as _;
 use taskstream_server::metadata::cluster::{ClusterView, InstanceRecord};
 use taskstream_server::{Config, PipelineConfig, ProcessorSpec, StreamsApp, TopicConfig};
@@ -398,6 +399,38 @@ fn three_server_binaries_answer_for_each_other() {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+
+        // Every record's outcome, from the three instances at once, merged
+        // by the client into one callback in offset order per partition.
+        let (sender, received) = tokio::sync::oneshot::channel();
+        let mut sender = Some(sender);
+        clients[2]
+            .get_metadata_async_all(
+                "counts",
+                MetadataOptions::bounded().in_order(true).coalesce(true),
+                move |result: Result<MetadataBatch, ClientError>| {
+                    if let Some(sender) = sender.take() {
+                        let _ = sender.send(result);
+                    }
+                },
+            )
+            .join()
+            .await;
+        let all = received.await.expect("one callback").expect("every record's outcome");
+        let mut offsets: BTreeMap<u32, Vec<i64>> = BTreeMap::new();
+        for record in &all.records {
+            offsets.entry(record.partition).or_default().push(record.offset);
+        }
+        let mut produced_offsets: BTreeMap<u32, Vec<i64>> = BTreeMap::new();
+        for position in &produced.positions {
+            produced_offsets.entry(position.partition).or_default().push(position.offset);
+        }
+        for list in produced_offsets.values_mut() {
+            list.sort_unstable();
+        }
+        assert_eq!(offsets, produced_offsets, "every produced offset once, in order per partition");
+        let tasks: BTreeSet<&str> = all.ranges.iter().map(|r| r.task_id.as_str()).collect();
+        assert_eq!(tasks.len(), produced_offsets.len(), "one task per partition written");
 
         for key in &keys {
             let mut named = BTreeSet::new();

@@ -46,7 +46,7 @@ where
 
 /// Cancellation shared by the handle and the task.
 #[derive(Default)]
-struct CancelState {
+pub(crate) struct CancelState {
     cancelled: AtomicBool,
     /// `notify_one` stores a permit, so a cancel before the task waits is not lost.
     wake: Notify,
@@ -63,7 +63,7 @@ impl CancelState {
     }
 
     /// Resolves once `cancel` was called.
-    async fn cancelled(&self) {
+    pub(crate) async fn cancelled(&self) {
         while !self.is_cancelled() {
             self.wake.notified().await;
         }
@@ -166,14 +166,31 @@ pub(crate) fn spawn(
     MetadataHandle { cancel, task }
 }
 
+/// Spawns the merged subscription to every instance; see
+/// `StreamsClient::get_metadata_async_all`.
+pub(crate) fn spawn_all(
+    client: crate::StreamsClient,
+    store: String,
+    options: MetadataOptions,
+    callback: impl RecordCallback,
+) -> MetadataHandle {
+    let cancel = Arc::new(CancelState::default());
+    let callback = Guarded {
+        callback,
+        cancel: cancel.clone(),
+    };
+    let task = tokio::spawn(crate::fan_in::run(client, store, options, callback));
+    MetadataHandle { cancel, task }
+}
+
 /// The user's callback behind the cancel check.
-struct Guarded<C> {
+pub(crate) struct Guarded<C> {
     callback: C,
-    cancel: Arc<CancelState>,
+    pub(crate) cancel: Arc<CancelState>,
 }
 
 impl<C: RecordCallback> Guarded<C> {
-    fn call(&mut self, result: Result<MetadataBatch, ClientError>) {
+    pub(crate) fn call(&mut self, result: Result<MetadataBatch, ClientError>) {
         if !self.cancel.is_cancelled() {
             self.callback.on_complete(result);
         }

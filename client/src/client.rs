@@ -263,6 +263,27 @@ impl StreamsClient {
         callback::spawn(self.streams(), store.into(), options, callback)
     }
 
+    /// [`get_metadata_async`](Self::get_metadata_async) on every instance of
+    /// the application (Kafka mode): asks this server's
+    /// `ProcessMetadataForStore` which instances hold `store`, opens a stream
+    /// to each for the partitions it holds (within `options`), and merges
+    /// them into one callback sequence with the same contract. Each
+    /// partition's records keep their offset order with `in_order` (a
+    /// partition is on one instance); `coalesce` sorts them all. The first
+    /// error of any instance ends the whole subscription; on one server (the
+    /// embedded log) this is `get_metadata_async`.
+    ///
+    /// # Panics
+    /// When called outside a tokio runtime (the subscription is a spawned task).
+    pub fn get_metadata_async_all(
+        &self,
+        store: impl Into<String>,
+        options: MetadataOptions,
+        callback: impl RecordCallback,
+    ) -> MetadataHandle {
+        callback::spawn_all(self.clone(), store.into(), options, callback)
+    }
+
     /// Threads, tasks, pipelines and their state.
     pub async fn describe_runtime(&self) -> Result<v1::DescribeRuntimeResponse, ClientError> {
         Ok(self

@@ -2,7 +2,8 @@
 //!
 //! Layout: `client` ([`StreamsClient`]: connection and one method per RPC),
 //! `callback` ([`RecordCallback`], [`MetadataHandle`]: `GetMetadataAsync` as
-//! callbacks), `metadata` ([`MetadataOptions`] and the [`MetadataBatch`]
+//! callbacks; `fan_in` merges the streams of every instance of an
+//! application), `metadata` ([`MetadataOptions`] and the [`MetadataBatch`]
 //! callbacks receive), `error` ([`ClientError`], mapped from status codes).
 //! Everything public is re-exported here; the generated types are
 //! [`taskstream::v1`], re-exported as [`v1`].
@@ -29,6 +30,7 @@
 mod callback;
 mod client;
 mod error;
+mod fan_in;
 mod metadata;
 #[cfg(test)]
 mod test_server;

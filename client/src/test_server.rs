@@ -34,6 +34,8 @@ pub(crate) struct Fake {
     /// Signalled once the client dropped a held-open stream.
     pub gone: Arc<Gone>,
     pub produced: Mutex<Vec<v1::ProduceRequest>>,
+    /// The instances `ProcessMetadataForStore` lists.
+    pub instances: Mutex<Vec<v1::StreamsMetadata>>,
 }
 
 #[derive(Default)]
@@ -111,6 +113,7 @@ impl StreamsService for Fake {
     ) -> Result<Response<v1::ProcessMetadataForStoreResponse>, Status> {
         Ok(Response::new(v1::ProcessMetadataForStoreResponse {
             in_order: request.into_inner().in_order,
+            metadata: self.instances.lock().expect("lock").clone(),
             ..Default::default()
         }))
     }
