@@ -11,6 +11,7 @@ use crate::config::GrpcProcessorSpec;
 use crate::log::{ProducerRecord, Record};
 use bytes::Bytes;
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use taskstream::v1 as pb;
@@ -172,6 +173,9 @@ pub struct RemoteProcessor {
     /// Invariant: `outage` is `Some` exactly from a call that could not reach
     /// the processor until the next call that got an answer (of any kind).
     reachability: Mutex<Reachability>,
+    /// `reachability.outage.is_some()`, written under its lock: calls read it
+    /// without taking the lock, which T threads would otherwise share per call.
+    in_outage: AtomicBool,
     /// Whether `outage` is `Some`, for those who follow it (gRPC health).
     waiting: tokio::sync::watch::Sender<bool>,
 }
@@ -194,6 +198,7 @@ impl RemoteProcessor {
             runtime,
             client,
             reachability: Mutex::new(Reachability::default()),
+            in_outage: AtomicBool::new(false),
             waiting: tokio::sync::watch::Sender::new(false),
         })
     }
@@ -238,7 +243,7 @@ impl RemoteProcessor {
 
     /// Whether the processor cannot be reached right now.
     pub fn is_waiting(&self) -> bool {
-        self.reachability().outage.is_some()
+        self.in_outage.load(Ordering::Acquire)
     }
 
     /// Calls the processor: one result per record of the call, in order, or
@@ -281,6 +286,9 @@ impl RemoteProcessor {
     }
 
     fn wait_for_probe(&self) -> Result<(), Unreachable> {
+        if !self.in_outage.load(Ordering::Acquire) {
+            return Ok(());
+        }
         let next_probe = match &self.reachability().outage {
             Some(outage) => outage.next_probe,
             None => return Ok(()),
@@ -302,8 +310,12 @@ impl RemoteProcessor {
     }
 
     fn reached(&self) {
+        if !self.in_outage.load(Ordering::Acquire) {
+            return;
+        }
         let mut reachability = self.reachability();
         if let Some(outage) = reachability.outage.take() {
+            self.in_outage.store(false, Ordering::Release);
             drop(reachability);
             self.set_waiting(false);
             tracing::info!(
@@ -342,6 +354,7 @@ impl RemoteProcessor {
                     backoff: OUTAGE_BACKOFF_FIRST,
                     next_probe: now + OUTAGE_BACKOFF_FIRST,
                 });
+                self.in_outage.store(true, Ordering::Release);
                 true
             }
         };
