@@ -150,6 +150,11 @@ pub fn store_metadata(store: &str, response: &v1::ProcessMetadataForStoreRespons
             topic_partitions(&instance.topic_partitions),
             topic_partitions(&instance.standby_topic_partitions),
         );
+        // Another instance of a Kafka application: its tasks are its own to describe.
+        if instance.tasks.is_empty() && !instance.topic_partitions.is_empty() {
+            out.push_str("(its tasks: ask that instance)\n");
+            continue;
+        }
         let mut tasks: Vec<&v1::TaskMetadata> = instance.tasks.iter().collect();
         tasks.sort_by_key(|t| (t.pipeline.clone(), t.partition));
         out.push_str(&task_table(tasks));
