@@ -5,6 +5,7 @@
 //! `cargo run --release -p taskstream-bench -- [SCENARIO…] [--quick] [--out DIR]`
 
 mod bare;
+pub mod broker;
 mod plot;
 mod repeat;
 mod report;

@@ -10,7 +10,8 @@
 //! missing; with `TASKSTREAM_REQUIRE_KAFKA=1` (set by `.ci/run`) that fails too.
 //!
 //! Every test of a binary shares the broker: give topics and groups names from
-//! [`unique`].
+//! [`unique`]. The bench harness (`bench/src/broker.rs`) includes this file too
+//! and starts brokers of its own with [`launch`], stopped with [`Broker::stop`].
 #![allow(dead_code)]
 
 use std::fs::{self, File};
@@ -95,6 +96,16 @@ impl Broker {
         line.split_whitespace().nth(1)?.parse().ok()
     }
 
+    /// Kills the broker and waits for it (a broker from [`launch`]; the
+    /// shared one of [`broker`] dies with the process). Its run directory is
+    /// removed.
+    pub fn stop(&self) {
+        let mut child = self.child.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+
     /// Panics (with the end of the broker's log) if the broker has exited.
     pub fn assert_running(&self) {
         let mut child = self.child.lock().unwrap_or_else(|e| e.into_inner());
@@ -144,7 +155,8 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
-fn start() -> State {
+/// Why no broker can run here (`java` or `mvn` missing), or `None`.
+pub fn missing_tool() -> Option<String> {
     for (tool, args) in [("java", ["-version"]), ("mvn", ["-v"])] {
         let found = Command::new(tool)
             .args(args)
@@ -153,10 +165,17 @@ fn start() -> State {
             .stderr(Stdio::null())
             .status();
         if found.is_err() {
-            return State::Skip(format!(
+            return Some(format!(
                 "the Kafka tests need `{tool}` on PATH (Java 17+ and Maven run the Apache Kafka broker)"
             ));
         }
+    }
+    None
+}
+
+fn start() -> State {
+    if let Some(reason) = missing_tool() {
+        return State::Skip(reason);
     }
     match launch() {
         Ok(broker) => {
@@ -178,12 +197,20 @@ fn start() -> State {
     }
 }
 
-fn launch() -> Result<Broker, String> {
+/// Starts a new broker (formatting its storage first) in a run directory of
+/// its own, `<target>/kafka-broker/run-<pid>-<n>`, and waits until it answers.
+/// It dies with this process; [`Broker::stop`] ends it sooner.
+pub fn launch() -> Result<Broker, String> {
+    static RUNS: AtomicU64 = AtomicU64::new(0);
     let base = target_dir()?.join("kafka-broker");
     fs::create_dir_all(&base).map_err(|e| format!("create {}: {e}", base.display()))?;
     let libs = fetch_jars(&base)?;
     remove_stale_runs(&base);
-    let dir = base.join(format!("run-{}", std::process::id()));
+    let dir = base.join(format!(
+        "run-{}-{}",
+        std::process::id(),
+        RUNS.fetch_add(1, Ordering::Relaxed)
+    ));
     let _ = fs::remove_dir_all(&dir);
     fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
     fs::write(dir.join("log4j2.properties"), LOG4J2).map_err(|e| format!("write log4j2.properties: {e}"))?;
@@ -260,11 +287,15 @@ fn launch() -> Result<Broker, String> {
     Err(last_error)
 }
 
-/// `<target>` from the test executable's path `<target>/<profile>/deps/<test>`.
+/// `<target>` from the executable's path: a test's `<target>/<profile>/deps/<test>`,
+/// or the bench's `<target>/<profile>/taskstream-bench` (cargo marks `<target>`
+/// with a `CACHEDIR.TAG`).
 fn target_dir() -> Result<PathBuf, String> {
     let exe = std::env::current_exe().map_err(|e| format!("the test executable's path: {e}"))?;
     exe.ancestors()
-        .nth(3)
+        .skip(1)
+        .find(|dir| dir.join("CACHEDIR.TAG").is_file())
+        .or_else(|| exe.ancestors().nth(3))
         .map(Path::to_path_buf)
         .ok_or_else(|| format!("{} is not in <target>/<profile>/deps", exe.display()))
 }
@@ -327,7 +358,12 @@ fn remove_stale_runs(base: &Path) {
     let Ok(entries) = fs::read_dir(base) else { return };
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("run-")) else {
+        // `run-<pid>-<n>` (older runs: `run-<pid>`).
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("run-"))
+            .and_then(|n| n.split('-').next())
+        else {
             continue;
         };
         if !Path::new("/proc").join(pid).exists() {
