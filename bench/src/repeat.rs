@@ -29,6 +29,11 @@ impl Samples {
         self.runs.push(run);
     }
 
+    /// Adds the runs of `other` (for one load cell over several variants).
+    pub fn extend(&mut self, other: &Samples) {
+        self.runs.extend_from_slice(&other.runs);
+    }
+
     pub fn median_seconds(&self) -> f64 {
         median(self.runs.iter().map(|r| r.seconds))
     }

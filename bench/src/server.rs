@@ -38,6 +38,9 @@ pub struct ServeOptions {
     pub store: Option<StoreKind>,
     /// The encoded response the bare server answers with.
     pub canned: Option<PathBuf>,
+    /// On Apache Kafka: bootstrap servers, application id (the group) and
+    /// group protocol (`consumer` or `classic`).
+    pub kafka: Option<(String, String, String)>,
 }
 
 impl Default for ServeOptions {
@@ -52,6 +55,7 @@ impl Default for ServeOptions {
             data_dir: None,
             store: None,
             canned: None,
+            kafka: None,
         }
     }
 }
@@ -81,6 +85,9 @@ impl ServeOptions {
         if let Some(canned) = &self.canned {
             args.extend(["--canned".into(), canned.display().to_string()]);
         }
+        if let Some((bootstrap, application, protocol)) = &self.kafka {
+            args.extend(["--kafka".into(), format!("{bootstrap} {application} {protocol}")]);
+        }
         args
     }
 
@@ -105,6 +112,13 @@ impl ServeOptions {
                     })
                 }
                 "--canned" => options.canned = Some(PathBuf::from(value)),
+                "--kafka" => {
+                    let parts: Vec<&str> = value.split(' ').collect();
+                    let [bootstrap, application, protocol] = parts[..] else {
+                        bail!("--kafka needs `BOOTSTRAP APPLICATION PROTOCOL`");
+                    };
+                    options.kafka = Some((bootstrap.into(), application.into(), protocol.into()));
+                }
                 other => bail!("unknown flag `{other}`"),
             }
         }
@@ -116,7 +130,7 @@ impl ServeOptions {
         let mut pipeline = PipelineConfig::new(STORE, TOPIC, ProcessorSpec::Count);
         pipeline.store = self.store;
         let per_task = self.records / self.partitions.max(1) as u64;
-        Config {
+        let mut config = Config {
             application_id: "bench".into(),
             application_server,
             num_stream_threads: self.threads,
@@ -128,7 +142,20 @@ impl ServeOptions {
             topics: vec![TopicConfig::new(TOPIC, self.partitions)],
             pipelines: vec![pipeline],
             ..Config::default()
+        };
+        if let Some((bootstrap, application, protocol)) = &self.kafka {
+            config.application_id = application.clone();
+            config.bootstrap_servers = Some(bootstrap.clone());
+            config.replication_factor = 1;
+            config.outcome_retention_records = 100_000;
+            if protocol == "classic" {
+                config.group_protocol = taskstream_server::GroupProtocol::Classic;
+                // The classic session is the client's; KIP-848's the broker's.
+                config.kafka.insert("session.timeout.ms".into(), "6000".into());
+                config.kafka.insert("heartbeat.interval.ms".into(), "500".into());
+            }
         }
+        config
     }
 }
 
@@ -356,6 +383,12 @@ impl ServerProcess {
     /// Peak RSS of the server process so far.
     pub fn peak_rss(&self) -> Option<u64> {
         peak_rss(Some(self.child.id()))
+    }
+
+    /// SIGKILL: no drain, no commit.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     /// Closes stdin (graceful shutdown: drain and commit) and waits for the exit.

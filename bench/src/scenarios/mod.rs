@@ -5,6 +5,7 @@
 mod cpu;
 mod durable;
 mod floor;
+mod kafka;
 mod ordering;
 mod remote;
 mod retry;
@@ -85,6 +86,11 @@ pub const SCENARIOS: &[Scenario] = &[
         name: "remote",
         summary: "remote ProcessorService sleeping 2 ms per call, T = 1…64, vs a bare tonic client; no-op remote vs count",
         run: remote::run,
+    },
+    Scenario {
+        name: "kafka",
+        summary: "on Apache Kafka: one instance vs a bare rdkafka loop; SIGKILL and graceful failover times",
+        run: kafka::run,
     },
     Scenario {
         name: "durable",
