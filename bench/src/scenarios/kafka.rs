@@ -175,6 +175,13 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
          graceful stop drains and commits, then leaves the group, which hands its partitions over at once."
             .into(),
     );
+    report.notes.push(
+        "The two loops do not send the same: the bare loop (one thread, as issue 11 describes it) \
+         produces one record per record read; taskstream (2 stream threads) sends its changelog, one \
+         record per key written since the last commit (at most 10,000 per 200 ms commit here), and \
+         commits offsets. Both read every record from the broker, which shares the 2 cores."
+            .into(),
+    );
     report.notes.push(format!(
         "The broker: StorageTool format {:.1} s, first answer {:.1} s after the JVM's launch, RSS {} \
          after start (-Xmx512m, serial GC).",
