@@ -42,6 +42,15 @@ fn main() -> ExitCode {
             }
         };
     }
+    if args.first().map(String::as_str) == Some(scenarios::IDLE_TASKS_PROBE) {
+        return match scenarios::idle_tasks_probe(&args[1..]) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                eprintln!("taskstream-bench idle-task probe: {error:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     init_tracing();
 
     let mut quick = false;

@@ -294,6 +294,11 @@ pub fn peak_rss(pid: Option<u32>) -> Option<u64> {
     rss_field(pid, "VmHWM:")
 }
 
+/// Resident memory in bytes (VmRSS) of `pid`, or of this process.
+pub fn rss(pid: Option<u32>) -> Option<u64> {
+    rss_field(pid, "VmRSS:")
+}
+
 /// A `kB` field of /proc/<pid>/status, in bytes.
 fn rss_field(pid: Option<u32>, field: &str) -> Option<u64> {
     let path = match pid {

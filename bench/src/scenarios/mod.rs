@@ -10,6 +10,8 @@ mod ordering;
 mod remote;
 mod retry;
 mod rpc;
+mod scale;
+pub use scale::{IDLE_TASKS_PROBE, idle_tasks_probe};
 mod scaling;
 mod volume;
 
@@ -96,5 +98,10 @@ pub const SCENARIOS: &[Scenario] = &[
         name: "durable",
         summary: "Produce over gRPC (memory vs persistent log), restart and restore",
         run: durable::run,
+    },
+    Scenario {
+        name: "scale",
+        summary: "how cost grows: partitions, distinct keys, in-flight records, subscribers, idle tasks",
+        run: scale::run,
     },
 ];
