@@ -13,10 +13,16 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-/// Stripes of the key locks of one task. Two keys share a stripe with
-/// probability 1/STRIPES, and then an attempt may wait for another that
-/// updates a different key: rare with T threads holding a key or two each.
-const STRIPES: usize = 1024;
+/// Stripes of the key locks per thread of the task. Two keys share a stripe
+/// with probability 1/stripes, and then an attempt may wait for another that
+/// updates a different key: with T attempts holding a key or two each, about
+/// 2(T - 1)/(64 T) < 1/32 of attempts can meet a stranger's key. Sized by T
+/// because every task pays for its stripes even when idle (8 bytes each: a
+/// fixed 1,024 was 8 KiB of the 9 KiB an idle task cost, bench `scale`).
+const STRIPES_PER_THREAD: usize = 64;
+
+/// Beyond this, more stripes buy little: 2(T - 1)/1024 is under 1/8 at T = 64.
+const MAX_STRIPES: usize = 1024;
 
 /// How long an `update` waits for its key when the attempt has no deadline.
 /// Two attempts that each hold a key the other wants wait this long, then
@@ -38,20 +44,22 @@ pub(crate) struct KeyLocks {
     freed: Condvar,
 }
 
-impl Default for KeyLocks {
-    fn default() -> Self {
+impl KeyLocks {
+    /// Key locks for a task that runs at most `threads_per_task` attempts at once.
+    pub(crate) fn for_threads(threads_per_task: usize) -> Self {
+        let stripes = (threads_per_task.max(1) * STRIPES_PER_THREAD)
+            .next_power_of_two()
+            .min(MAX_STRIPES);
         KeyLocks {
-            stripes: (0..STRIPES).map(|_| AtomicU64::new(0)).collect(),
+            stripes: (0..stripes).map(|_| AtomicU64::new(0)).collect(),
             waiters: AtomicUsize::new(0),
             wait: Mutex::new(()),
             freed: Condvar::new(),
         }
     }
-}
 
-impl KeyLocks {
-    fn stripe(key: &[u8]) -> usize {
-        crate::store::shard_of(key, STRIPES)
+    fn stripe(&self, key: &[u8]) -> usize {
+        crate::store::shard_of(key, self.stripes.len())
     }
 
     /// Takes `stripe` for `attempt`; answers whether it was newly taken
@@ -241,7 +249,7 @@ impl KeyValueStore for AttemptStore<'_> {
         key: &[u8],
         f: &mut dyn FnMut(Option<&Bytes>) -> Option<Bytes>,
     ) -> Result<(), StoreError> {
-        let stripe = KeyLocks::stripe(key);
+        let stripe = self.locks.stripe(key);
         let newly = self
             .locks
             .acquire(stripe, self.attempt, self.lock_until)
@@ -292,7 +300,7 @@ mod tests {
     #[test]
     fn reads_see_own_writes_and_only_success_reaches_the_store() {
         let base = TaskStore::memory();
-        let locks = KeyLocks::default();
+        let locks = KeyLocks::for_threads(4);
         base.kv()
             .put(Bytes::from_static(b"a"), Bytes::from_static(b"1"))
             .unwrap();
@@ -321,7 +329,7 @@ mod tests {
     #[test]
     fn concurrent_attempts_updating_one_key_lose_nothing() {
         let base = Arc::new(TaskStore::memory());
-        let locks = Arc::new(KeyLocks::default());
+        let locks = Arc::new(KeyLocks::for_threads(4));
         let threads: Vec<_> = (0..4)
             .map(|_| {
                 let (base, locks) = (base.clone(), locks.clone());
@@ -353,7 +361,7 @@ mod tests {
     #[test]
     fn an_update_waiting_past_its_deadline_fails() {
         let base = TaskStore::memory();
-        let locks = KeyLocks::default();
+        let locks = KeyLocks::for_threads(4);
         let holder = AttemptStore::new(&base, &locks, None, None, Vec::new());
         holder.update(b"k", &mut count).unwrap();
         let waiter = AttemptStore::new(
@@ -367,5 +375,20 @@ mod tests {
         drop(holder);
         let again = AttemptStore::new(&base, &locks, None, None, Vec::new());
         again.update(b"k", &mut count).unwrap();
+    }
+
+    #[test]
+    fn stripes_grow_with_the_threads_of_the_task_up_to_the_cap() {
+        let stripes = |threads| KeyLocks::for_threads(threads).stripes.len();
+        assert_eq!(stripes(0), STRIPES_PER_THREAD);
+        assert_eq!(stripes(1), STRIPES_PER_THREAD);
+        assert_eq!(stripes(3), 256);
+        assert_eq!(stripes(16), MAX_STRIPES);
+        assert_eq!(stripes(100), MAX_STRIPES);
+        // Every key maps inside the task's stripes.
+        let locks = KeyLocks::for_threads(1);
+        for key in 0..10_000u32 {
+            assert!(locks.stripe(&key.to_be_bytes()) < locks.stripes.len());
+        }
     }
 }

@@ -214,7 +214,7 @@ impl Task {
             seq: Sequencer::new(init.start),
             retry: init.retry,
             store: init.store,
-            locks: Arc::new(KeyLocks::default()),
+            locks: Arc::new(KeyLocks::for_threads(init.threads_per_task)),
             sink: init
                 .sink_topic
                 .map(|topic| Arc::new(SinkQueue::new(topic, init.transaction.clone()))),
