@@ -638,6 +638,17 @@ pub struct Config {
     pub max_stream_threads: usize,
     /// Most concurrent calls (HTTP/2 streams) on one client connection.
     pub max_concurrent_streams: u32,
+    /// Most open gRPC connections; one more is accepted and closed at once.
+    pub max_connections: usize,
+    /// A connection that has not sent the HTTP/2 preface and its SETTINGS frame this long
+    /// after it was accepted is closed (0 = no limit).
+    pub handshake_timeout_ms: u64,
+    /// A connection with no call open and none started for this long is closed (0 = never).
+    pub idle_timeout_ms: u64,
+    /// The server pings each connection this often (HTTP/2 PING; 0 = no pings).
+    pub http2_keepalive_interval_ms: u64,
+    /// A connection whose peer does not answer a ping within this is closed.
+    pub http2_keepalive_timeout_ms: u64,
     /// Most GetMetadataAsync streams open at once, over all connections.
     pub max_subscribers: usize,
     /// Keys longer than this are kept in record outcomes (streams and their history) cut to
@@ -758,6 +769,11 @@ impl Default for Config {
             max_response_bytes: 1 << 20,
             max_stream_threads: 256,
             max_concurrent_streams: 1024,
+            max_connections: 10_000,
+            handshake_timeout_ms: 10_000,
+            idle_timeout_ms: 300_000,
+            http2_keepalive_interval_ms: 30_000,
+            http2_keepalive_timeout_ms: 20_000,
             max_subscribers: 4096,
             outcome_key_bytes: 1024,
             auth_tokens: None,
@@ -1063,6 +1079,41 @@ pub const SETTINGS: &[Setting] = &[
         "Most concurrent calls (HTTP/2 streams) on one client connection."
     ),
     setting!(
+        max_connections,
+        None,
+        "N",
+        parse_number,
+        "Most open gRPC connections; one more is accepted and closed at once."
+    ),
+    setting!(
+        handshake_timeout_ms,
+        None,
+        "MS",
+        parse_number,
+        "A connection that has not sent the HTTP/2 preface and SETTINGS within this is closed (0 = no limit)."
+    ),
+    setting!(
+        idle_timeout_ms,
+        None,
+        "MS",
+        parse_number,
+        "A connection with no call open and none started for this long is closed (0 = never)."
+    ),
+    setting!(
+        http2_keepalive_interval_ms,
+        None,
+        "MS",
+        parse_number,
+        "The server pings each connection this often (0 = no pings)."
+    ),
+    setting!(
+        http2_keepalive_timeout_ms,
+        None,
+        "MS",
+        parse_number,
+        "A connection whose peer does not answer a ping within this is closed."
+    ),
+    setting!(
         max_subscribers,
         None,
         "N",
@@ -1357,6 +1408,7 @@ impl Config {
             ("max_response_bytes", self.max_response_bytes),
             ("max_concurrent_streams", self.max_concurrent_streams as usize),
             ("max_subscribers", self.max_subscribers),
+            ("max_connections", self.max_connections),
         ];
         for (setting, value) in positive {
             if value == 0 {
@@ -1396,6 +1448,13 @@ impl Config {
                     "is {} but must be at least num_stream_threads ({}) and at most 4096",
                     self.max_stream_threads, self.num_stream_threads
                 ),
+            ));
+        }
+        // Without a bound on the answer a ping would wait for ever, which is no keepalive.
+        if self.http2_keepalive_interval_ms > 0 && self.http2_keepalive_timeout_ms == 0 {
+            return Err(ConfigError::new(
+                "http2_keepalive_timeout_ms",
+                "must be at least 1 while http2_keepalive_interval_ms pings (set that to 0 for no pings)",
             ));
         }
         if self.outcome_key_bytes < 16 {

@@ -6,6 +6,7 @@
 //! only records (a no-op without a recorder); the binary installs the
 //! Prometheus recorder and serves `GET /metrics` (`serve`).
 
+use crate::service::AcceptBackoff;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -32,6 +33,9 @@ pub const SUBSCRIBERS: &str = "taskstream_stream_subscribers";
 pub const SUBSCRIBER_LAGGED: &str = "taskstream_subscriber_lagged_batches_total";
 pub const PROCESSOR_UNREACHABLE: &str = "taskstream_processor_unreachable_total";
 pub const PROCESSOR_WAITING: &str = "taskstream_processor_waiting";
+pub const CONNECTIONS: &str = "taskstream_grpc_connections";
+pub const CONNECTIONS_CLOSED: &str = "taskstream_grpc_connections_closed_total";
+pub const ACCEPT_ERRORS: &str = "taskstream_accept_errors_total";
 
 /// Buckets of `PROCESS_SECONDS`: from a no-op record (about a microsecond) to a slow call.
 const PROCESS_BUCKETS: &[f64] = &[
@@ -49,6 +53,15 @@ const RPC_DURATION_BUCKETS: &[f64] = &[
 ];
 
 fn describe() {
+    metrics::describe_gauge!(CONNECTIONS, "Open gRPC connections (at most max_connections)");
+    metrics::describe_counter!(
+        CONNECTIONS_CLOSED,
+        "gRPC connections the server closed by reason (over_limit, handshake_timeout, idle_timeout)"
+    );
+    metrics::describe_counter!(
+        ACCEPT_ERRORS,
+        "Failed accepts by listener (grpc, metrics), e.g. no file descriptor left; each waits before retrying"
+    );
     metrics::describe_counter!(
         PROCESSOR_UNREACHABLE,
         "Calls to a pipeline's remote processor that could not reach it (nothing failed; the pipeline waited)"
@@ -157,12 +170,12 @@ pub fn install() -> Result<PrometheusHandle, String> {
 
 /// Serves the metrics in Prometheus' text format to every HTTP request on
 /// `listener` (any path) until the future is dropped. One small response per
-/// connection, so plain HTTP/1.x is all it needs.
+/// connection, so plain HTTP/1.x is all it needs. A failing accept (no fd left) waits
+/// and is logged as the gRPC listener's does (`AcceptBackoff`).
 pub async fn serve(listener: TcpListener, handle: PrometheusHandle) {
+    let mut backoff = AcceptBackoff::new("metrics");
     loop {
-        let Ok((mut socket, _)) = listener.accept().await else {
-            continue;
-        };
+        let (mut socket, _) = backoff.accept(&listener).await;
         let handle = handle.clone();
         tokio::spawn(async move {
             // The request itself does not matter: read what arrived, answer, close.

@@ -2,13 +2,15 @@
 //! `grpc.health.v1` and server reflection (v1 and v1alpha) over one `StreamsApp`,
 //! and on shutdown drains the app and commits its watermarks. Handlers are a thin
 //! translation (`request` in, `convert` out; `forward` asks the instance holding
-//! a partition, in Kafka mode); `status::to_status` is the one place where
+//! a partition, in Kafka mode; `listener` accepts connections under their cap and
+//! deadlines); `status::to_status` is the one place where
 //! errors become `Status`. The service knows nothing of threads.
 
 mod admin;
 mod auth;
 mod convert;
 mod forward;
+mod listener;
 mod outcomes;
 mod request;
 mod status;
@@ -18,6 +20,7 @@ mod wire;
 
 pub use admin::AdminHandler;
 pub use auth::{Auth, AuthLayer, Caller, Role, Tokens, TokensError, required_role, role_of};
+pub use listener::{AcceptBackoff, CallBody, CallsLayer, Connection, ConnectionLimits, CountCalls, Incoming};
 pub use outcomes::STREAM_CHANNEL_CAPACITY;
 pub use status::{
     ERROR_DOMAIN, MESSAGE_SIZE_SETTING, METADATA_OWNER, PRECONDITION_PROCESSING_ORDER, REASON_LIMIT_EXCEEDED,
@@ -40,7 +43,6 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tonic::server::NamedService;
 use tonic::transport::Server;
-use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
@@ -133,10 +135,16 @@ pub async fn serve(
     // than hold the whole of it in memory at once.
     let max_message = app.config().max_message_bytes;
     let max_streams = app.config().max_concurrent_streams;
+    // Connection limits and deadlines (`listener`); keepalive pings find dead peers.
+    let incoming = Incoming::new(listener, ConnectionLimits::from_config(app.config()));
+    let millis = |ms: u64| (ms > 0).then(|| Duration::from_millis(ms));
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let mut server = pin!(
         Server::builder()
             .max_concurrent_streams(max_streams)
+            .http2_keepalive_interval(millis(app.config().http2_keepalive_interval_ms))
+            .http2_keepalive_timeout(millis(app.config().http2_keepalive_timeout_ms))
+            .layer(incoming.calls_layer())
             // Telemetry outside, so it counts the codes clients see.
             .layer(RpcTelemetryLayer)
             .layer(WireStatusLayer)
@@ -154,9 +162,7 @@ pub async fn serve(
                     .max_decoding_message_size(max_message)
                     .max_encoding_message_size(max_message),
             )
-            // TCP_NODELAY: a small unary answer must not wait for the client's
-            // delayed ACK (Nagle), which costs ~40 ms per call.
-            .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), async {
+            .serve_with_incoming_shutdown(incoming, async {
                 // A dropped sender stops the server too, which is what an early return wants.
                 let _ = stop_rx.await;
             })
