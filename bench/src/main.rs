@@ -24,8 +24,8 @@ Runs the named scenarios (all when none is named) and writes
 <DIR>/<scenario>.md, <DIR>/<scenario>.png and <DIR>/summary.md
 (DIR defaults to bench/results).
 
-  --quick   small runs of every scenario (the whole set in well under 3 minutes),
-            to check that the harness works; the numbers are only indicative
+  --quick   small runs of every scenario but `peers` (the whole set in well under
+            3 minutes), to check that the harness works; the numbers are only indicative
   --out DIR where to write the results
   --list    list the scenarios";
 
@@ -91,7 +91,11 @@ fn main() -> ExitCode {
         }
     }
     if names.is_empty() {
-        names = SCENARIOS.iter().map(|s| s.name).collect();
+        names = SCENARIOS
+            .iter()
+            .filter(|s| !quick || s.in_quick_run)
+            .map(|s| s.name)
+            .collect();
     }
     if let Err(error) = std::fs::create_dir_all(&out) {
         eprintln!("taskstream-bench: cannot create {}: {error}", out.display());

@@ -13,8 +13,8 @@ use taskstream_server::ProcessingOrder;
 use taskstream_server::config::LatencySpec;
 use taskstream_server::processor::Simulate;
 
-const RECORDS: u64 = 10_000;
-const LATENCY: [f64; 2] = [0.0, 5.0];
+pub(super) const RECORDS: u64 = 10_000;
+pub(super) const LATENCY: [f64; 2] = [0.0, 5.0];
 /// Ours over the limit of its row: the bare loop where there is one, else the lower bound
 /// (which a real sleep, oversleeping by tens of µs per record, cannot quite reach).
 const TARGET_OVER_BARE: f64 = 1.1;
@@ -138,6 +138,18 @@ fn variants(records: u64) -> Vec<Variant> {
     all
 }
 
+/// What draws each record's latency from its (partition, offset): the `simulate` processor of
+/// these runs (`workload::simulate`, seed 42). Scenario `peers` draws the same latencies.
+pub(super) fn drawer() -> Simulate {
+    Simulate {
+        latency_ms: Some(LatencySpec::Uniform(LATENCY)),
+        cpu_work_us: 0,
+        failure_rate: 0.0,
+        fail_attempts: 0,
+        seed: 42,
+    }
+}
+
 /// The latencies `simulate` draws for the records as `prefill` lays them out, and each
 /// record's key, in (partition, offset) order per partition.
 struct Drawn {
@@ -148,13 +160,7 @@ struct Drawn {
 }
 
 fn drawn(variant: &Variant, records: u64) -> anyhow::Result<Drawn> {
-    let sim = Simulate {
-        latency_ms: Some(LatencySpec::Uniform(LATENCY)),
-        cpu_work_us: 0,
-        failure_rate: 0.0,
-        fail_attempts: 0,
-        seed: 42,
-    };
+    let sim = drawer();
     // Where each record lands: lay the records out as a run does and read them back.
     let log = taskstream_server::MemoryLog::new();
     workload::prefill(
