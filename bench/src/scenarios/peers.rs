@@ -107,10 +107,7 @@ fn variants() -> Vec<Variant> {
         wide,
     };
     let kstreams = |group, threads, wide| Variant {
-        mode: format!(
-            "{threads} stream thread{}",
-            if threads == 1 { "" } else { "s" }
-        ),
+        mode: format!("{threads} stream thread{}", if threads == 1 { "" } else { "s" }),
         ..peer(
             group,
             "Kafka Streams 4.4.0",
@@ -152,11 +149,25 @@ fn variants() -> Vec<Variant> {
         ours(OneAtATime, "T = 1", ProcessingOrder::Offset, 1, 1, false),
         kstreams(OneAtATime, 1, false),
         pc(OneAtATime, "PARTITION"),
-        ours(OrderedDelivery, "offset, T = 16", ProcessingOrder::Offset, 16, 16, false),
+        ours(
+            OrderedDelivery,
+            "offset, T = 16",
+            ProcessingOrder::Offset,
+            16,
+            16,
+            false,
+        ),
         flink(OrderedDelivery, "ordered"),
         ours(PerKey, "key, T = 16", ProcessingOrder::Key, 16, 16, false),
         pc(PerKey, "KEY"),
-        ours(Unordered, "unordered, T = 16", ProcessingOrder::Unordered, 16, 16, false),
+        ours(
+            Unordered,
+            "unordered, T = 16",
+            ProcessingOrder::Unordered,
+            16,
+            16,
+            false,
+        ),
         pc(Unordered, "UNORDERED"),
         flink(Unordered, "unordered"),
         ours(Partitions, "N = 16, T = 1", ProcessingOrder::Offset, 16, 1, true),
@@ -431,9 +442,10 @@ impl Peers {
                 target.join("classes").display(),
                 dependencies.trim()
             )),
-            Err(e) => Err(self.unbuilt.clone().unwrap_or_else(|| {
-                format!("{module} is not built ({}: {e})", target.display())
-            })),
+            Err(e) => Err(self
+                .unbuilt
+                .clone()
+                .unwrap_or_else(|| format!("{module} is not built ({}: {e})", target.display()))),
         }
     }
 }
@@ -449,8 +461,8 @@ fn java_run(
     concurrency: usize,
 ) -> anyhow::Result<(Measured, Extra)> {
     let stderr_path = std::env::temp_dir().join(format!("{}.log", broker::unique("bench-peer")));
-    let stderr = std::fs::File::create(&stderr_path)
-        .with_context(|| format!("create {}", stderr_path.display()))?;
+    let stderr =
+        std::fs::File::create(&stderr_path).with_context(|| format!("create {}", stderr_path.display()))?;
     let load = repeat::load_average();
     let mut child = Command::new("java")
         .arg("-Dorg.slf4j.simpleLogger.defaultLogLevel=error")
@@ -527,11 +539,7 @@ fn java_run(
 /// The last `chars` characters of `text`, on one line.
 fn tail(text: &str, chars: usize) -> String {
     let text = text.trim();
-    let start = text
-        .char_indices()
-        .rev()
-        .nth(chars)
-        .map_or(0, |(i, _)| i);
+    let start = text.char_indices().rev().nth(chars).map_or(0, |(i, _)| i);
     text[start..].replace('\n', " ⏎ ")
 }
 
