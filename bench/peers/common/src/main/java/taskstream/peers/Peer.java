@@ -6,7 +6,8 @@ import java.util.Locale;
  * The frame of every peer of bench scenario `peers`: each reads the topic the harness wrote once
  * (value: the record's drawn latency in microseconds, ASCII), "processes" a record by sleeping its
  * latency, and prints one line
- * {@code PEER_RESULT seconds=… records=… duplicates=… cpu_seconds=… startup_seconds=… finished=…}
+ * {@code PEER_RESULT seconds=… records=… duplicates=… cpu_seconds=… startup_seconds=…
+ * partition_spread_seconds=… finished=…}
  * timed from the first record handed to processing until every record is processed.
  *
  * <p>Arguments of every peer's main: {@code MODE BOOTSTRAP TOPIC RECORDS CONCURRENCY}.
@@ -48,9 +49,9 @@ public final class Peer {
             progress.failure().printStackTrace();
         }
         System.out.println(String.format(Locale.ROOT,
-                "PEER_RESULT seconds=%.6f records=%d duplicates=%d cpu_seconds=%.3f startup_seconds=%.3f finished=%b",
+                "PEER_RESULT seconds=%.6f records=%d duplicates=%d cpu_seconds=%.3f startup_seconds=%.3f partition_spread_seconds=%.3f finished=%b",
                 progress.seconds(), progress.distinct(), progress.duplicates(), progress.cpuSeconds(),
-                progress.startupSeconds(), finished));
+                progress.startupSeconds(), progress.partitionSpreadSeconds(), finished));
         System.out.flush();
         // Library threads (Flink's mini-cluster, Kafka clients) must not keep the JVM alive.
         System.exit(finished ? 0 : 1);

@@ -3,6 +3,7 @@ package taskstream.peers;
 import java.lang.management.ManagementFactory;
 import java.util.HashSet;
 import java.util.Set;
+import java.util.concurrent.ConcurrentHashMap;
 import java.util.concurrent.CountDownLatch;
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicLong;
@@ -20,6 +21,8 @@ public final class Progress {
     private final long created = System.nanoTime();
     private final AtomicLong firstNanos = new AtomicLong();
     private volatile long firstCpuNanos;
+    /** Each partition's first record (nanoTime): how far apart the partitions started. */
+    private final ConcurrentHashMap<Integer, Long> firstByPartition = new ConcurrentHashMap<>();
     private final Set<Long> seen = new HashSet<>();
     private long duplicates;
     private long doneNanos;
@@ -39,8 +42,9 @@ public final class Progress {
         return instance;
     }
 
-    /** A record is handed to processing: the first one starts the clock. */
-    public void begin() {
+    /** A record of `partition` is handed to processing: the first one starts the clock. */
+    public void begin(int partition) {
+        firstByPartition.computeIfAbsent(partition, p -> System.nanoTime());
         if (firstNanos.get() == 0) {
             long cpu = processCpuNanos();
             if (firstNanos.compareAndSet(0, System.nanoTime())) {
@@ -101,6 +105,13 @@ public final class Progress {
     public synchronized double cpuSeconds() {
         long end = doneCpuNanos != 0 ? doneCpuNanos : processCpuNanos();
         return firstNanos.get() == 0 ? 0 : (end - firstCpuNanos) / 1e9;
+    }
+
+    /** From the first record to the first record of the partition that started last. */
+    public double partitionSpreadSeconds() {
+        long start = firstNanos.get();
+        long last = firstByPartition.values().stream().mapToLong(Long::longValue).max().orElse(start);
+        return start == 0 ? 0 : Math.max(0, last - start) / 1e9;
     }
 
     /** From the start of `main` to the first record (client start and group join). */

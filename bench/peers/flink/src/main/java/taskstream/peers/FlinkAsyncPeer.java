@@ -106,7 +106,7 @@ public final class FlinkAsyncPeer {
 
         @Override
         public void asyncInvoke(Tuple3<Integer, Long, Long> item, ResultFuture<Tuple3<Integer, Long, Long>> result) {
-            Progress.get().begin();
+            Progress.get().begin(item.f0);
             pool.execute(() -> {
                 Progress.sleepMicros(item.f2);
                 result.complete(Collections.singleton(item));

@@ -46,9 +46,9 @@ public final class KafkaStreamsPeer {
 
                     @Override
                     public void process(Record<byte[], String> record) {
-                        progress.begin();
-                        Progress.sleepMicros(Progress.micros(record.value()));
                         RecordMetadata where = context.recordMetadata().orElseThrow();
+                        progress.begin(where.partition());
+                        Progress.sleepMicros(Progress.micros(record.value()));
                         progress.completed(where.partition(), where.offset());
                     }
                 });

@@ -41,7 +41,7 @@ public final class ParallelConsumerPeer {
         pc.subscribe(List.of(args.topic()));
         pc.poll(context -> {
             ConsumerRecord<byte[], String> record = context.getSingleConsumerRecord();
-            progress.begin();
+            progress.begin(record.partition());
             Progress.sleepMicros(Progress.micros(record.value()));
             progress.completed(record.partition(), record.offset());
         });
