@@ -17,7 +17,6 @@ use taskstream::v1::{
     self, get_metadata_async_response::Event, streams_service_client::StreamsServiceClient,
 };
 use tokio::{sync::Notify, task::JoinHandle};
-use tonic::transport::Channel;
 
 use crate::{
     ClientError,
@@ -152,7 +151,7 @@ impl std::fmt::Debug for MetadataHandle {
 
 /// Spawns the subscription task; see `StreamsClient::get_metadata_async`.
 pub(crate) fn spawn(
-    client: StreamsServiceClient<Channel>,
+    client: StreamsServiceClient<crate::client::Transport>,
     store: String,
     options: MetadataOptions,
     callback: impl RecordCallback,
@@ -198,7 +197,7 @@ impl<C: RecordCallback> Guarded<C> {
 }
 
 async fn run<C: RecordCallback>(
-    mut client: StreamsServiceClient<Channel>,
+    mut client: StreamsServiceClient<crate::client::Transport>,
     store: String,
     options: MetadataOptions,
     mut callback: Guarded<C>,

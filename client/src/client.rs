@@ -1,9 +1,13 @@
 //! [`StreamsClient`]: one connection to a taskstream server, with typed
-//! methods for every RPC of `StreamsService` and `AdminService`.
+//! methods for every RPC of `StreamsService` and `AdminService`, and
+//! [`ClientBuilder`]: how to reach it (bearer token, TLS with a CA certificate,
+//! a client certificate for mutual TLS).
 //!
 //! Every method maps a failed call to a [`ClientError`]; the generated clients
 //! stay reachable through `streams()` / `admin()` for anything not wrapped here.
 
+use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -11,7 +15,10 @@ use taskstream::v1::{
     self, admin_service_client::AdminServiceClient, streams_service_client::StreamsServiceClient,
 };
 use tokio_stream::{Stream, StreamExt};
-use tonic::transport::{Channel, Endpoint};
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 use crate::{
     ClientError, FieldViolation,
@@ -24,66 +31,288 @@ use crate::{
 /// over a big store; this bounds them without getting in the way.
 const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 
+/// The channel of a [`StreamsClient`]: every call carries the client's credentials.
+pub type Transport = InterceptedService<Channel, Credentials>;
+
+/// Adds `authorization: Bearer TOKEN` to every call (unless the call set its own).
+/// Its `Debug` never shows the token.
+#[derive(Clone, Default)]
+pub struct Credentials {
+    authorization: Option<MetadataValue<Ascii>>,
+}
+
+impl Credentials {
+    /// No token: the server must not require one.
+    pub fn none() -> Self {
+        Credentials::default()
+    }
+
+    /// `Bearer token`. A token must be visible ASCII (it travels as an HTTP/2 header);
+    /// the error does not repeat it.
+    pub fn bearer(token: &str) -> Result<Self, ClientError> {
+        let mut value: MetadataValue<Ascii> =
+            format!("Bearer {}", token.trim())
+                .parse()
+                .map_err(|_| ClientError::IllegalArgument {
+                    message: "the token is not a valid header value: use visible ASCII characters only"
+                        .into(),
+                    field_violations: vec![FieldViolation {
+                        field: "token".into(),
+                        description: "not a valid header value".into(),
+                    }],
+                })?;
+        // Kept out of HPACK's tables, as HTTP/2 advises for credentials.
+        value.set_sensitive(true);
+        Ok(Credentials {
+            authorization: Some(value),
+        })
+    }
+
+    pub fn has_token(&self) -> bool {
+        self.authorization.is_some()
+    }
+}
+
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let token = if self.has_token() { "<redacted>" } else { "none" };
+        f.debug_struct("Credentials").field("token", &token).finish()
+    }
+}
+
+impl Interceptor for Credentials {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(value) = &self.authorization
+            && !request.metadata().contains_key("authorization")
+        {
+            request.metadata_mut().insert("authorization", value.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// How to reach a taskstream server: address, bearer token, TLS. From
+/// [`StreamsClient::builder`]; `connect` makes the client.
+///
+/// An `https://` address (or any address once a CA certificate is given) is TLS: the
+/// server's certificate must be signed by the CA certificate given here (this client
+/// trusts no CA by default). Its `Debug` shows neither the token nor the key.
+#[derive(Clone)]
+pub struct ClientBuilder {
+    addr: String,
+    token: Option<String>,
+    tls: TlsOptions,
+}
+
+/// The TLS part of a [`ClientBuilder`], kept by the client to reach the other
+/// instances of an application the same way.
+#[derive(Clone, Default)]
+struct TlsOptions {
+    ca_cert: Option<Vec<u8>>,
+    identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl fmt::Debug for ClientBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientBuilder")
+            .field("addr", &self.addr)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("ca_cert", &self.tls.ca_cert.as_ref().map(|pem| pem.len()))
+            .field("client_identity", &self.tls.identity.is_some())
+            .finish()
+    }
+}
+
+impl ClientBuilder {
+    /// Sends `authorization: Bearer TOKEN` on every call.
+    pub fn token(mut self, token: impl Into<String>) -> Self {
+        self.token = Some(token.into());
+        self
+    }
+
+    /// Trusts servers whose certificate this CA (PEM, one or more certificates) signed,
+    /// and speaks TLS: a bare `host:port` address becomes `https://host:port`.
+    pub fn ca_cert_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls.ca_cert = Some(pem.into());
+        self
+    }
+
+    /// Presents this certificate (PEM) and private key (PEM) to the server: for a server
+    /// that requires client certificates (`tls_client_ca`).
+    pub fn client_identity(mut self, cert_pem: impl Into<Vec<u8>>, key_pem: impl Into<Vec<u8>>) -> Self {
+        self.tls.identity = Some((cert_pem.into(), key_pem.into()));
+        self
+    }
+
+    /// Connects eagerly, so that an unreachable server (or a failed TLS handshake) is
+    /// reported here as `ClientError::Transport`; a malformed address or token is
+    /// `IllegalArgument`. After that the channel reconnects by itself when the connection drops.
+    pub async fn connect(self) -> Result<StreamsClient, ClientError> {
+        let credentials = match &self.token {
+            Some(token) => Credentials::bearer(token)?,
+            None => Credentials::none(),
+        };
+        let channel = connect_channel(&self.addr, &self.tls).await?;
+        Ok(StreamsClient::with_credentials(
+            channel,
+            credentials,
+            Arc::new(self.tls),
+        ))
+    }
+}
+
+/// A connected channel to `addr` with `tls`.
+async fn connect_channel(addr: &str, tls: &TlsOptions) -> Result<Channel, ClientError> {
+    let addr = addr.trim();
+    let uri = if addr.contains("://") {
+        addr.to_owned()
+    } else if tls.ca_cert.is_some() || tls.identity.is_some() {
+        format!("https://{addr}")
+    } else {
+        format!("http://{addr}")
+    };
+    let illegal = |e: &dyn std::error::Error| ClientError::IllegalArgument {
+        message: format!("invalid server address `{addr}` ({e})"),
+        field_violations: vec![FieldViolation {
+            field: "addr".into(),
+            description: e.to_string(),
+        }],
+    };
+    let mut endpoint = Endpoint::from_shared(uri.clone()).map_err(|e| illegal(&e))?;
+    let is_https = uri.starts_with("https://");
+    if is_https {
+        let mut config = ClientTlsConfig::new();
+        if let Some(ca) = &tls.ca_cert {
+            config = config.ca_certificate(Certificate::from_pem(ca));
+        }
+        if let Some((cert, key)) = &tls.identity {
+            config = config.identity(Identity::from_pem(cert, key));
+        }
+        endpoint = endpoint
+            .tls_config(config)
+            .map_err(|e| ClientError::IllegalArgument {
+                message: format!("cannot use the TLS settings for {uri}: {}", error_chain(&e)),
+                field_violations: vec![FieldViolation {
+                    field: "ca_cert".into(),
+                    description: error_chain(&e),
+                }],
+            })?;
+    } else if tls.ca_cert.is_some() || tls.identity.is_some() {
+        return Err(ClientError::IllegalArgument {
+            message: format!(
+                "a CA or client certificate is for TLS, but `{addr}` is plain http://; use https://"
+            ),
+            field_violations: vec![FieldViolation {
+                field: "addr".into(),
+                description: "http:// with TLS settings".into(),
+            }],
+        });
+    }
+    let endpoint = endpoint
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        // Keep-alive pings find a dead server under a quiet `watch`.
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .keep_alive_while_idle(true);
+    endpoint.connect().await.map_err(|error| {
+        let mut message = format!("cannot connect to {uri}: {}", error_chain(&error));
+        if is_https && tls.ca_cert.is_none() {
+            message.push_str(" (no CA certificate given: this client trusts no CA by default)");
+        }
+        ClientError::Transport { message }
+    })
+}
+
 /// A client of one taskstream server. Cheap to clone: clones share the connection.
 #[derive(Debug, Clone)]
 pub struct StreamsClient {
-    streams: StreamsServiceClient<Channel>,
-    admin: AdminServiceClient<Channel>,
+    streams: StreamsServiceClient<Transport>,
+    admin: AdminServiceClient<Transport>,
+    credentials: Credentials,
+    tls: Arc<TlsOptions>,
+}
+
+impl fmt::Debug for TlsOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TlsOptions")
+            .field("ca_cert", &self.ca_cert.is_some())
+            .field("client_identity", &self.identity.is_some())
+            .finish()
+    }
 }
 
 impl StreamsClient {
     /// Connects to `addr`, either `host:port` (plain HTTP/2 is assumed) or a
-    /// URL such as `http://127.0.0.1:50051`.
+    /// URL such as `http://127.0.0.1:50051`, without token or TLS settings
+    /// (see [`StreamsClient::builder`] for those).
     ///
     /// Connects eagerly so that an unreachable server is reported here, as
     /// `ClientError::Transport`; a malformed address is `IllegalArgument`.
     /// After that the channel reconnects by itself when the connection drops.
     pub async fn connect(addr: impl AsRef<str>) -> Result<Self, ClientError> {
-        let addr = addr.as_ref().trim();
-        let uri = if addr.contains("://") {
-            addr.to_owned()
-        } else {
-            format!("http://{addr}")
-        };
-        let endpoint = Endpoint::from_shared(uri.clone())
-            .map_err(|e| ClientError::IllegalArgument {
-                message: format!("invalid server address `{addr}` ({e})"),
-                field_violations: vec![FieldViolation {
-                    field: "addr".into(),
-                    description: e.to_string(),
-                }],
-            })?
-            .connect_timeout(Duration::from_secs(5))
-            .tcp_nodelay(true)
-            // Keep-alive pings find a dead server under a quiet `watch`.
-            .http2_keep_alive_interval(Duration::from_secs(30))
-            .keep_alive_timeout(Duration::from_secs(10))
-            .keep_alive_while_idle(true);
-        let channel = endpoint.connect().await.map_err(|error| ClientError::Transport {
-            message: format!("cannot connect to {uri}: {}", error_chain(&error)),
-        })?;
-        Ok(Self::from_channel(channel))
+        Self::builder(addr.as_ref()).connect().await
     }
 
-    /// Wraps a channel built by the caller (TLS, timeouts, a custom connector…).
-    pub fn from_channel(channel: Channel) -> Self {
-        StreamsClient {
-            streams: StreamsServiceClient::new(channel.clone())
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES),
-            admin: AdminServiceClient::new(channel)
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+    /// A builder for a client with a bearer token and/or TLS settings:
+    ///
+    /// ```no_run
+    /// # async fn example(ca_pem: Vec<u8>) -> Result<(), taskstream_client::ClientError> {
+    /// let client = taskstream_client::StreamsClient::builder("https://streams.internal:50051")
+    ///     .token("s3cr3t")
+    ///     .ca_cert_pem(ca_pem)
+    ///     .connect()
+    ///     .await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn builder(addr: impl Into<String>) -> ClientBuilder {
+        ClientBuilder {
+            addr: addr.into(),
+            token: None,
+            tls: TlsOptions::default(),
         }
     }
 
-    /// The generated `StreamsService` client, for calls not wrapped here.
-    pub fn streams(&self) -> StreamsServiceClient<Channel> {
+    /// Wraps a channel built by the caller (TLS, timeouts, a custom connector…), without
+    /// a token.
+    pub fn from_channel(channel: Channel) -> Self {
+        Self::with_credentials(channel, Credentials::none(), Arc::default())
+    }
+
+    fn with_credentials(channel: Channel, credentials: Credentials, tls: Arc<TlsOptions>) -> Self {
+        let transport = InterceptedService::new(channel, credentials.clone());
+        StreamsClient {
+            streams: StreamsServiceClient::new(transport.clone())
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+            admin: AdminServiceClient::new(transport)
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+            credentials,
+            tls,
+        }
+    }
+
+    /// A client of another instance of the same application (`host:port` as it
+    /// advertises itself), with this client's token and TLS settings.
+    pub(crate) async fn connect_peer(&self, addr: &str) -> Result<StreamsClient, ClientError> {
+        let channel = connect_channel(addr, &self.tls).await?;
+        Ok(Self::with_credentials(
+            channel,
+            self.credentials.clone(),
+            self.tls.clone(),
+        ))
+    }
+
+    /// The generated `StreamsService` client, for calls not wrapped here; it sends the
+    /// client's token too.
+    pub fn streams(&self) -> StreamsServiceClient<Transport> {
         self.streams.clone()
     }
 
     /// The generated `AdminService` client.
-    pub fn admin(&self) -> AdminServiceClient<Channel> {
+    pub fn admin(&self) -> AdminServiceClient<Transport> {
         self.admin.clone()
     }
 
@@ -449,6 +678,50 @@ mod tests {
         assert_eq!(record.timestamp_ms, 0);
         let record = unkeyed_record(Bytes::from_static(b"v"));
         assert_eq!(record.key, None);
+    }
+
+    /// Every call gets `authorization: Bearer TOKEN` (one the call set itself is kept);
+    /// `Debug` never shows the token; a token that cannot be a header is refused unquoted.
+    #[test]
+    fn credentials_add_the_bearer_header_and_hide_the_token() {
+        let mut credentials = Credentials::bearer("s3cr3t").expect("a valid token");
+        let request = credentials.call(tonic::Request::new(())).expect("intercepted");
+        assert_eq!(
+            request
+                .metadata()
+                .get("authorization")
+                .and_then(|v| v.to_str().ok()),
+            Some("Bearer s3cr3t")
+        );
+        let mut own = tonic::Request::new(());
+        own.metadata_mut()
+            .insert("authorization", "Bearer other".parse().unwrap());
+        let own = credentials.call(own).expect("intercepted");
+        assert_eq!(
+            own.metadata().get("authorization").and_then(|v| v.to_str().ok()),
+            Some("Bearer other")
+        );
+        let mut none = Credentials::none();
+        let request = none.call(tonic::Request::new(())).expect("intercepted");
+        assert!(request.metadata().get("authorization").is_none());
+
+        assert!(!format!("{credentials:?}").contains("s3cr3t"));
+        let builder = StreamsClient::builder("127.0.0.1:1").token("s3cr3t");
+        assert!(!format!("{builder:?}").contains("s3cr3t"), "{builder:?}");
+
+        let error = Credentials::bearer("bad\ntoken").unwrap_err();
+        assert!(matches!(error, ClientError::IllegalArgument { .. }), "{error:?}");
+        assert!(!error.to_string().contains("bad"), "{error}");
+    }
+
+    #[tokio::test]
+    async fn tls_settings_with_http_are_illegal() {
+        let error = StreamsClient::builder("http://127.0.0.1:1")
+            .ca_cert_pem(b"not used".to_vec())
+            .connect()
+            .await
+            .unwrap_err();
+        assert!(matches!(error, ClientError::IllegalArgument { .. }), "{error:?}");
     }
 
     #[tokio::test]

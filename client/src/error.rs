@@ -133,9 +133,21 @@ impl ClientError {
         // tonic reports "server unreachable" as UNAVAILABLE too; only the
         // source chain tells it apart from the server's own UNAVAILABLE.
         if is_transport_failure(status) {
-            return ClientError::Transport {
-                message: format!("transport error: {message}"),
+            // The cause (a refused client certificate, a reset) is in the source chain.
+            let chain = status.source().map(error_chain).unwrap_or_default();
+            let cause = chain.strip_prefix("transport error: ").unwrap_or(&chain);
+            let detail = if cause.is_empty() || message.contains(cause) {
+                message
+            } else if cause.starts_with(&message) {
+                cause.to_owned()
+            } else {
+                format!("{message}: {cause}")
             };
+            let message = match detail.starts_with("transport error") {
+                true => detail,
+                false => format!("transport error: {detail}"),
+            };
+            return ClientError::Transport { message };
         }
         match status.code() {
             Code::FailedPrecondition if let Some(owner) = not_hosted_owner(status) => {

@@ -164,7 +164,7 @@ async fn open_all(
     let metadata = client.process_metadata_for_store(store, options.in_order).await?;
     let mut streams = StreamMap::new();
     for (index, instance) in plan(&metadata, options).into_iter().enumerate() {
-        let peer = StreamsClient::connect(&instance.address).await?;
+        let peer = client.connect_peer(&instance.address).await?;
         let stream = peer
             .streams()
             .get_metadata_async(instance.options.to_request(store))

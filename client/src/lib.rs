@@ -36,7 +36,7 @@ mod metadata;
 mod test_server;
 
 pub use callback::{CancelHandle, MetadataHandle, RecordCallback};
-pub use client::{StreamsClient, keyed_record, unkeyed_record};
+pub use client::{ClientBuilder, Credentials, StreamsClient, Transport, keyed_record, unkeyed_record};
 pub use error::{
     ClientError, FieldViolation, PreconditionViolation, REASON_LIMIT_EXCEEDED, REASON_SUBSCRIBER_LAGGED,
 };

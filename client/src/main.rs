@@ -1,14 +1,14 @@
 //! `taskstream`: the command line client of a taskstream server.
 //!
-//! `taskstream [--addr URL] [--json] <command>`; run `taskstream help` for the
-//! commands. Exit codes: 0 success, 1 other failure (and `get` of a missing
-//! key), 2 illegal argument or usage, 3 unknown store or topic, 4 illegal state,
-//! 5 not available, 6 out of range, 7 lagged, 8 transport, 9 over a server limit,
-//! 130 Ctrl-C.
+//! `taskstream [--addr URL] [--token TOKEN] [--ca-cert FILE] [--json] <command>`;
+//! run `taskstream help` for the commands. Exit codes: 0 success, 1 other
+//! failure (and `get` of a missing key), 2 illegal argument or usage, 3 unknown
+//! store or topic, 4 illegal state, 5 not available, 6 out of range, 7 lagged,
+//! 8 transport, 9 over a server limit, 130 Ctrl-C.
 
 mod cli;
 
-use std::{io, process::ExitCode};
+use std::{io, path::PathBuf, process::ExitCode};
 
 use bytes::Bytes;
 use clap::{Args, Parser, Subcommand};
@@ -35,12 +35,61 @@ struct Cli {
     )]
     addr: String,
 
+    /// Bearer token sent with every call (`authorization: Bearer TOKEN`), for a server
+    /// with `auth_tokens`. Never printed.
+    #[arg(long, global = true, env = "TASKSTREAM_TOKEN", hide_env_values = true)]
+    token: Option<Secret>,
+
+    /// CA certificate (PEM) that signed the server's certificate: the connection is TLS
+    /// (a bare host:port address means https://). No CA is trusted without it.
+    #[arg(long, global = true, env = "TASKSTREAM_CA_CERT", value_name = "FILE")]
+    ca_cert: Option<PathBuf>,
+
+    /// Client certificate (PEM), for a server that requires one (`tls_client_ca`); needs
+    /// --client-key.
+    #[arg(
+        long,
+        global = true,
+        env = "TASKSTREAM_CLIENT_CERT",
+        value_name = "FILE",
+        requires = "client_key"
+    )]
+    client_cert: Option<PathBuf>,
+
+    /// Private key (PEM) of --client-cert.
+    #[arg(
+        long,
+        global = true,
+        env = "TASKSTREAM_CLIENT_KEY",
+        value_name = "FILE",
+        requires = "client_cert"
+    )]
+    client_key: Option<PathBuf>,
+
     /// Print machine-readable JSON instead of text.
     #[arg(long, global = true)]
     json: bool,
 
     #[command(subcommand)]
     command: Command,
+}
+
+/// A token from the command line or the environment; its `Debug` hides it.
+#[derive(Clone)]
+struct Secret(String);
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        Ok(Secret(text.to_owned()))
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
 }
 
 const EXIT_CODES: &str = "Exit codes: 0 ok, 1 other error (or `get`: key not found), 2 illegal argument, \
@@ -189,9 +238,32 @@ fn is_broken_pipe(error: &anyhow::Error) -> bool {
     })
 }
 
+/// The client of `--addr` with the token and TLS files of the command line.
+async fn connect(cli: &Cli) -> Result<StreamsClient, ClientError> {
+    let mut builder = StreamsClient::builder(cli.addr.clone());
+    if let Some(token) = &cli.token {
+        builder = builder.token(token.0.clone());
+    }
+    if let Some(path) = &cli.ca_cert {
+        builder = builder.ca_cert_pem(read_file("--ca-cert", path)?);
+    }
+    if let (Some(cert), Some(key)) = (&cli.client_cert, &cli.client_key) {
+        builder = builder.client_identity(read_file("--client-cert", cert)?, read_file("--client-key", key)?);
+    }
+    builder.connect().await
+}
+
+/// A file named by a flag; an unreadable one is an illegal argument (exit 2).
+fn read_file(flag: &str, path: &std::path::Path) -> Result<Vec<u8>, ClientError> {
+    std::fs::read(path).map_err(|e| ClientError::IllegalArgument {
+        message: format!("{flag}: cannot read `{}`: {e}", path.display()),
+        field_violations: vec![],
+    })
+}
+
 /// Runs one command; `Ok` carries the exit code of an outcome that is not an error.
 async fn run(cli: Cli) -> anyhow::Result<u8> {
-    let client = StreamsClient::connect(&cli.addr).await?;
+    let client = connect(&cli).await?;
     let as_json = cli.json;
     match cli.command {
         Command::Produce(args) => {

@@ -12,6 +12,7 @@ use std::process::ExitCode;
 use taskstream_server::config::LogFormat;
 use taskstream_server::config::{SETTINGS, parse_host_port};
 use taskstream_server::service;
+use taskstream_server::service::tls::TlsMode;
 use taskstream_server::{CommitMode, Config, ConfigError, RuntimeError, StreamsApp};
 use tokio::net::TcpListener;
 use tokio::signal::unix::{SignalKind, signal};
@@ -151,6 +152,8 @@ fn load_settings(cli: &Cli, flags: &clap::ArgMatches) -> Result<Settings, Config
     if let Some(path) = &config.auth_tokens {
         service::Tokens::load(path).map_err(|e| ConfigError::new("auth_tokens", e.to_string()))?;
     }
+    // Likewise the TLS files: unreadable or not PEM is exit code 2, not a failed handshake later.
+    service::tls::server_tls_config(&config).map_err(|e| ConfigError::new(e.setting, e.message))?;
     Ok(Settings {
         config,
         application_server_set,
@@ -311,7 +314,20 @@ fn print_banner(
         .map(|(name, partitions)| format!("{name} ({partitions} partitions)"))
         .collect();
     writeln!(out, "  topics:      {}", topics.join(", "))?;
+    let tls_mode = TlsMode::of(config);
+    match (tls_mode, &config.tls_cert, &config.tls_client_ca) {
+        (TlsMode::Plaintext, _, _) => writeln!(out, "  tls:         off (plain HTTP/2)")?,
+        (_, Some(cert), None) => writeln!(out, "  tls:         on, certificate {}", cert.display())?,
+        (_, Some(cert), Some(ca)) => writeln!(
+            out,
+            "  tls:         on, certificate {}; client certificates signed by {} required",
+            cert.display(),
+            ca.display()
+        )?,
+        (_, None, _) => {}
+    }
     if let Some(metrics) = metrics {
+        // Plain HTTP even with TLS on: keep it on loopback or a trusted network.
         writeln!(out, "  metrics:     http://{metrics}/metrics (Prometheus)")?;
     }
     match (&config.bootstrap_servers, &config.data_dir) {
@@ -352,22 +368,44 @@ fn print_banner(
         .first()
         .map(|p| p.source_topic.as_str())
         .unwrap_or("TOPIC");
+    // With TLS the examples name the CA that signed the server's certificate (CA.pem) and,
+    // with tokens, one token (TOKEN): the server cannot know either.
+    let (grpcurl, cli) = match (tls_mode, config.auth_tokens.is_some()) {
+        (TlsMode::Plaintext, false) => ("-plaintext".to_string(), format!("--addr http://{address}")),
+        (TlsMode::Plaintext, true) => (
+            "-plaintext -H 'authorization: Bearer TOKEN'".to_string(),
+            format!("--addr http://{address} --token TOKEN"),
+        ),
+        (_, tokens) => {
+            let client_cert = match tls_mode {
+                TlsMode::Mutual => " -cert CLIENT.pem -key CLIENT.key",
+                _ => "",
+            };
+            let header = if tokens {
+                " -H 'authorization: Bearer TOKEN'"
+            } else {
+                ""
+            };
+            let token = if tokens { " --token TOKEN" } else { "" };
+            (
+                format!("-cacert CA.pem{client_cert}{header}"),
+                format!("--addr https://{address} --ca-cert CA.pem{token}"),
+            )
+        }
+    };
     writeln!(out, "try:")?;
-    writeln!(out, "  grpcurl -plaintext {address} list")?;
+    writeln!(out, "  grpcurl {grpcurl} {address} list")?;
     writeln!(
         out,
-        "  grpcurl -plaintext -d '{{\"store\":\"{store}\",\"in_order\":true}}' {address} \
+        "  grpcurl {grpcurl} -d '{{\"store\":\"{store}\",\"in_order\":true}}' {address} \
          taskstream.v1.StreamsService/ProcessMetadataForStore"
     )?;
     writeln!(
         out,
-        "  echo 'k1:hello' | taskstream --addr http://{address} produce --topic {topic}"
+        "  echo 'k1:hello' | taskstream {cli} produce --topic {topic}"
     )?;
-    writeln!(
-        out,
-        "  taskstream --addr http://{address} metadata --store {store} --in-order"
-    )?;
-    writeln!(out, "  taskstream --addr http://{address} watch --store {store}")?;
+    writeln!(out, "  taskstream {cli} metadata --store {store} --in-order")?;
+    writeln!(out, "  taskstream {cli} watch --store {store}")?;
     writeln!(out, "taskstream listening on {address}")?;
     out.flush()
 }

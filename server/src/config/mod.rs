@@ -641,7 +641,8 @@ pub struct Config {
     /// Most open gRPC connections; one more is accepted and closed at once.
     pub max_connections: usize,
     /// A connection that has not sent the HTTP/2 preface and its SETTINGS frame this long
-    /// after it was accepted is closed (0 = no limit).
+    /// after it was accepted is closed (with TLS: one that has not finished its TLS
+    /// handshake) (0 = no limit).
     pub handshake_timeout_ms: u64,
     /// A connection with no call open and none started for this long is closed (0 = never).
     pub idle_timeout_ms: u64,
@@ -657,6 +658,13 @@ pub struct Config {
     /// File of bearer tokens and their roles, one `TOKEN ROLE` per line; without it every
     /// caller may call everything (keep such a server on a trusted network).
     pub auth_tokens: Option<PathBuf>,
+    /// The server's certificate chain (PEM): with `tls_key`, gRPC is served over TLS only.
+    pub tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of `tls_cert`.
+    pub tls_key: Option<PathBuf>,
+    /// CA certificates (PEM): with it, every client must present a certificate they signed
+    /// (mutual TLS). Needs `tls_cert` and `tls_key`.
+    pub tls_client_ca: Option<PathBuf>,
     /// Serve gRPC server reflection (grpcurl without a .proto).
     pub reflection: bool,
 }
@@ -777,6 +785,9 @@ impl Default for Config {
             max_subscribers: 4096,
             outcome_key_bytes: 1024,
             auth_tokens: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_client_ca: None,
             reflection: true,
         }
     }
@@ -1090,7 +1101,8 @@ pub const SETTINGS: &[Setting] = &[
         None,
         "MS",
         parse_number,
-        "A connection that has not sent the HTTP/2 preface and SETTINGS within this is closed (0 = no limit)."
+        "A connection that has not sent the HTTP/2 preface and SETTINGS (with TLS: finished its TLS \
+         handshake) within this is closed (0 = no limit)."
     ),
     setting!(
         idle_timeout_ms,
@@ -1134,6 +1146,27 @@ pub const SETTINGS: &[Setting] = &[
         parse_dir,
         "Bearer tokens and their roles (read, write, admin), one `TOKEN ROLE` per line; without it every \
          caller may call everything."
+    ),
+    setting!(
+        tls_cert,
+        Some("tls-cert"),
+        "FILE",
+        parse_dir,
+        "Serve gRPC over TLS with this certificate chain (PEM); needs --tls-key."
+    ),
+    setting!(
+        tls_key,
+        Some("tls-key"),
+        "FILE",
+        parse_dir,
+        "Private key (PEM) of --tls-cert."
+    ),
+    setting!(
+        tls_client_ca,
+        Some("tls-client-ca"),
+        "FILE",
+        parse_dir,
+        "Require client certificates signed by these CAs (PEM): mutual TLS; needs --tls-cert."
     ),
     setting!(
         reflection,
@@ -1472,6 +1505,30 @@ impl Config {
             .any(|p| p.sink_topic.as_deref() == Some(topic))
     }
 
+    /// The TLS settings go together: a certificate and its key, and a client CA only with
+    /// both. Whether the files can be used is checked where they are read
+    /// (`service::tls`), as reading is not this function's business.
+    fn validate_tls(&self) -> Result<(), ConfigError> {
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(_), None) => Err(ConfigError::new(
+                "tls_cert",
+                "is set but tls_key is not: TLS needs both the certificate (tls_cert) and its private \
+                 key (tls_key)",
+            )),
+            (None, Some(_)) => Err(ConfigError::new(
+                "tls_key",
+                "is set but tls_cert is not: TLS needs both the certificate (tls_cert) and its private \
+                 key (tls_key)",
+            )),
+            (None, None) if self.tls_client_ca.is_some() => Err(ConfigError::new(
+                "tls_client_ca",
+                "is set but tls_cert is not: client certificates are checked only over TLS; set \
+                 tls_cert and tls_key too",
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Checks every setting; the first problem found is returned.
     pub fn validate(&self) -> Result<(), ConfigError> {
         check_name("application_id", &self.application_id)?;
@@ -1511,6 +1568,7 @@ impl Config {
             ));
         }
         self.validate_limits()?;
+        self.validate_tls()?;
         if self.retry_max_attempts == 0 {
             return Err(ConfigError::new(
                 "retry_max_attempts",
@@ -2503,5 +2561,47 @@ mod tests {
 
         let err = Config::from_toml_str("[kafka]\nssl.keystore = [1, 2]\n").unwrap_err();
         assert!(err.message.contains("kafka.ssl.keystore"), "{err}");
+    }
+
+    /// A certificate without its key (or the other way round), or a client CA without TLS,
+    /// is refused naming both settings; TOML and the environment set the paths alike.
+    #[test]
+    fn tls_settings_go_together() {
+        let base = Config::embedded_default();
+        base.validate().unwrap();
+        let with = |cert: bool, key: bool, ca: bool| Config {
+            tls_cert: cert.then(|| PathBuf::from("server.pem")),
+            tls_key: key.then(|| PathBuf::from("server.key")),
+            tls_client_ca: ca.then(|| PathBuf::from("ca.pem")),
+            ..base.clone()
+        };
+        with(true, true, false).validate().unwrap();
+        with(true, true, true).validate().unwrap();
+        for (cert, key, ca, setting, other) in [
+            (true, false, false, "tls_cert", "tls_key"),
+            (true, false, true, "tls_cert", "tls_key"),
+            (false, true, false, "tls_key", "tls_cert"),
+            (false, false, true, "tls_client_ca", "tls_cert"),
+        ] {
+            let err = with(cert, key, ca).validate().unwrap_err();
+            assert_eq!(err.setting, setting, "{err}");
+            assert!(err.message.contains(other), "{err}");
+        }
+
+        let mut config = base.clone();
+        config
+            .apply_env(|var| match var {
+                "TASKSTREAM_TLS_CERT" => Some("/etc/ts/cert.pem".into()),
+                "TASKSTREAM_TLS_KEY" => Some("/etc/ts/key.pem".into()),
+                "TASKSTREAM_TLS_CLIENT_CA" => Some("/etc/ts/ca.pem".into()),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(config.tls_cert, Some(PathBuf::from("/etc/ts/cert.pem")));
+        assert_eq!(config.tls_key, Some(PathBuf::from("/etc/ts/key.pem")));
+        assert_eq!(config.tls_client_ca, Some(PathBuf::from("/etc/ts/ca.pem")));
+        let toml = Config::from_toml_str("tls_cert = \"c.pem\"\ntls_key = \"k.pem\"\n").unwrap();
+        assert_eq!(toml.tls_cert, Some(PathBuf::from("c.pem")));
+        assert_eq!(toml.tls_key, Some(PathBuf::from("k.pem")));
     }
 }

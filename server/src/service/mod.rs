@@ -1,5 +1,6 @@
 //! The gRPC service: [`serve`] runs `StreamsService`, `AdminService`,
-//! `grpc.health.v1` and server reflection (v1 and v1alpha) over one `StreamsApp`,
+//! `grpc.health.v1` and server reflection (v1 and v1alpha) over one `StreamsApp`
+//! (over TLS when `tls_cert` is set, see `tls`),
 //! and on shutdown drains the app and commits its watermarks. Handlers are a thin
 //! translation (`request` in, `convert` out; `forward` asks the instance holding
 //! a partition, in Kafka mode; `listener` accepts connections under their cap and
@@ -16,6 +17,7 @@ mod request;
 mod status;
 mod streams;
 mod telemetry;
+pub mod tls;
 mod wire;
 
 pub use admin::AdminHandler;
@@ -69,6 +71,9 @@ pub enum ServeError {
 
     #[error(transparent)]
     Tokens(#[from] TokensError),
+
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
 
     #[error("the gRPC server failed: {0}")]
     Transport(#[from] tonic::transport::Error),
@@ -126,9 +131,20 @@ pub async fn serve(
     if tokens.is_none() {
         tracing::warn!("no auth_tokens: every caller may call every RPC; serve on a trusted network only");
     }
+    // Read before serving too: a certificate or key that cannot be used stops the server.
+    let tls = tls::server_tls_config(app.config())?;
+    let tls_mode = tls::TlsMode::of(app.config());
+    if tls.is_none() && tokens.is_some() {
+        tracing::warn!("auth_tokens without tls_cert: tokens cross the network in clear text");
+    }
+    let behind_tls = tls.is_some();
+    let builder = match tls {
+        Some(tls) => Server::builder().tls_config(tls)?,
+        None => Server::builder(),
+    };
 
     if let Ok(address) = listener.local_addr() {
-        tracing::info!(%address, "serving gRPC");
+        tracing::info!(%address, tls = ?tls_mode, "serving gRPC");
     }
 
     // Both directions: a request over it is refused, a response over it fails rather
@@ -137,10 +153,15 @@ pub async fn serve(
     let max_streams = app.config().max_concurrent_streams;
     // Connection limits and deadlines (`listener`); keepalive pings find dead peers.
     let incoming = Incoming::new(listener, ConnectionLimits::from_config(app.config()));
+    let incoming = if behind_tls {
+        incoming.behind_tls()
+    } else {
+        incoming
+    };
     let millis = |ms: u64| (ms > 0).then(|| Duration::from_millis(ms));
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let mut server = pin!(
-        Server::builder()
+        builder
             .max_concurrent_streams(max_streams)
             .http2_keepalive_interval(millis(app.config().http2_keepalive_interval_ms))
             .http2_keepalive_timeout(millis(app.config().http2_keepalive_timeout_ms))
