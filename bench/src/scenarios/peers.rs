@@ -522,48 +522,83 @@ fn java_run(
             tail(&errors, 800)
         );
     };
-    let field = |name: &str| -> Option<&str> {
-        line.split_whitespace()
-            .find_map(|f| f.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
-    };
-    let number = |name: &str| -> anyhow::Result<f64> {
-        field(name)
-            .and_then(|v| v.parse().ok())
-            .with_context(|| format!("`{name}` in `{line}`"))
-    };
-    let distinct = number("records")? as u64;
-    let duplicates = number("duplicates")? as u64;
-    let finished = field("finished") == Some("true") && distinct == records as u64;
+    let result = parse_result(line)?;
+    let finished = result.finished && result.records == records as u64;
     let measured = Measured {
-        seconds: number("seconds")?,
-        records: distinct,
-        cpu_seconds: number("cpu_seconds")?,
+        seconds: result.seconds,
+        records: result.records,
+        cpu_seconds: result.cpu_seconds,
         load,
         finished,
     };
-    let problem = (!finished || duplicates > 0).then(|| {
+    let problem = (!finished || result.duplicates > 0).then(|| {
         format!(
-            "{main} {mode}: {} of {} records processed, {duplicates} processed twice ({status}); \
-             stderr: {}",
-            group(distinct),
+            "{main} {mode}: {} of {} records processed, {} processed twice ({status}); stderr: {}",
+            group(result.records),
             group(records as u64),
+            result.duplicates,
             tail(&errors, 400)
         )
     });
     Ok((
         measured,
         Extra {
-            startup: number("startup_seconds")?,
-            partition_spread: number("partition_spread_seconds")?,
+            startup: result.startup,
+            partition_spread: result.partition_spread,
             problem,
         },
     ))
 }
 
+/// A peer's `PEER_RESULT` line (bench/peers/common Peer.java).
+#[derive(Debug, PartialEq)]
+struct PeerResult {
+    seconds: f64,
+    /// Distinct records processed.
+    records: u64,
+    duplicates: u64,
+    cpu_seconds: f64,
+    startup: f64,
+    partition_spread: f64,
+    finished: bool,
+}
+
+fn parse_result(line: &str) -> anyhow::Result<PeerResult> {
+    let field = |name: &str| -> anyhow::Result<&str> {
+        line.split_whitespace()
+            .skip(1)
+            .find_map(|f| f.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
+            .with_context(|| format!("no `{name}` in `{line}`"))
+    };
+    let number = |name: &str| -> anyhow::Result<f64> {
+        field(name)?
+            .parse()
+            .with_context(|| format!("`{name}` in `{line}`"))
+    };
+    let count = |name: &str| -> anyhow::Result<u64> {
+        field(name)?
+            .parse()
+            .with_context(|| format!("`{name}` in `{line}`"))
+    };
+    Ok(PeerResult {
+        seconds: number("seconds")?,
+        records: count("records")?,
+        duplicates: count("duplicates")?,
+        cpu_seconds: number("cpu_seconds")?,
+        startup: number("startup_seconds")?,
+        partition_spread: number("partition_spread_seconds")?,
+        finished: field("finished")? == "true",
+    })
+}
+
 /// The last `chars` characters of `text`, on one line.
 fn tail(text: &str, chars: usize) -> String {
     let text = text.trim();
-    let start = text.char_indices().rev().nth(chars).map_or(0, |(i, _)| i);
+    // The index of the `chars`-th character from the end (0 when the text is shorter).
+    let start = match chars.checked_sub(1) {
+        Some(back) => text.char_indices().rev().nth(back).map_or(0, |(i, _)| i),
+        None => text.len(),
+    };
     text[start..].replace('\n', " ⏎ ")
 }
 
@@ -842,4 +877,73 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
         report.notes.push(format!("**problem:** {problem}"));
     }
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_line_a_peer_prints() {
+        // As Peer.java formats it.
+        let line = "PEER_RESULT seconds=1.893214 records=10000 duplicates=0 cpu_seconds=1.710 \
+                    startup_seconds=1.620 partition_spread_seconds=0.000 finished=true";
+        assert_eq!(
+            parse_result(line).unwrap(),
+            PeerResult {
+                seconds: 1.893214,
+                records: 10_000,
+                duplicates: 0,
+                cpu_seconds: 1.71,
+                startup: 1.62,
+                partition_spread: 0.0,
+                finished: true,
+            }
+        );
+        let unfinished = line.replace("finished=true", "finished=false");
+        assert!(!parse_result(&unfinished).unwrap().finished);
+        let error = parse_result("PEER_RESULT seconds=1.0 records=3").unwrap_err();
+        assert!(format!("{error:#}").contains("duplicates"), "{error:#}");
+        assert!(parse_result(&line.replace("records=10000", "records=x")).is_err());
+    }
+
+    #[test]
+    fn the_clock_stops_at_the_last_distinct_record() {
+        let progress = Progress::new(3);
+        progress.begin(0);
+        progress.completed(0, 0);
+        progress.begin(1);
+        progress.completed(1, 0);
+        // A record processed again does not count towards the end.
+        progress.completed(1, 0);
+        let (measured, _, _) = progress.wait(Duration::from_millis(10), 0.5);
+        assert!(!measured.finished);
+        assert_eq!(measured.records, 2);
+        progress.completed(0, 1);
+        let (measured, _, spread) = progress.wait(Duration::from_secs(5), 0.5);
+        assert!(measured.finished);
+        assert_eq!(measured.records, 3);
+        assert_eq!(progress.lock().duplicates, 1);
+        assert!(
+            spread >= 0.0 && spread <= measured.seconds,
+            "{spread} vs {}",
+            measured.seconds
+        );
+    }
+
+    #[test]
+    fn no_record_is_not_a_result() {
+        let (measured, startup, _) = Progress::new(1).wait(Duration::from_millis(1), 0.0);
+        assert!(!measured.finished);
+        assert_eq!((measured.records, startup), (0, 0.0));
+    }
+
+    #[test]
+    fn the_tail_is_the_end_on_one_line() {
+        assert_eq!(tail("abc\ndef", 3), "def");
+        assert_eq!(tail("ab", 10), "ab");
+        assert_eq!(tail("x\ny", 10), "x ⏎ y");
+        assert_eq!(tail("ééé", 2), "éé");
+        assert_eq!(tail("abc", 0), "");
+    }
 }
