@@ -16,7 +16,9 @@ use std::io::{BufRead as _, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+use taskstream_client::v1::streams_service_client::StreamsServiceClient;
 use taskstream_client::{StreamsClient, keyed_record};
+use tonic_types::StatusExt as _;
 
 /// Bound on anything the server should do promptly (start, catch up).
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -154,6 +156,7 @@ fn produce_through_grpc_and_query_counts_with_the_topics_in_kafka() {
     const PARTITIONS: u32 = 8;
     const RECORDS: usize = 50_000;
     const BATCH: usize = 5_000;
+    const PARTLY_WRITTEN: u64 = 10;
     let Some(broker) = broker() else { return };
     let application = unique("smoke");
     let topic = format!("{application}-events");
@@ -349,6 +352,43 @@ fn produce_through_grpc_and_query_counts_with_the_topics_in_kafka() {
             .map(|(partition, offsets)| (*partition, offsets.len() as i64))
             .collect();
         assert_eq!(next, streamed, "every produced offset streamed, per partition");
+
+        // ProduceStream on Kafka cannot take a batch back: batch 0 stays written when
+        // batch 1 holds a key over max_key_bytes, and the error says how much was.
+        let mut raw = StreamsServiceClient::connect(server.addr.clone())
+            .await
+            .expect("connect");
+        let written: Vec<_> = (0..PARTLY_WRITTEN).map(|_| keyed_record("partly", "1")).collect();
+        let refused = vec![keyed_record(vec![b'k'; (64 << 10) + 1], "1")];
+        let requests =
+            tokio_stream::iter(
+                [written, refused].map(|records| taskstream_client::v1::ProduceRequest {
+                    topic: topic.clone(),
+                    records,
+                }),
+            );
+        let status = raw
+            .produce_stream(requests)
+            .await
+            .expect_err("batch 1 is over max_key_bytes");
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+        let info = status.get_details_error_info().expect("ErrorInfo");
+        assert_eq!(info.reason, "LIMIT_EXCEEDED");
+        assert_eq!(info.metadata["setting"], "max_key_bytes");
+        assert_eq!(info.metadata["written_batches"], "1");
+        assert_eq!(info.metadata["written_records"], PARTLY_WRITTEN.to_string());
+        assert!(status.message().contains("resend from batch 1"), "{status:?}");
+        // What was written is there, and counted before the shutdown below.
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        while client.get("counts", "partly").await.ok().flatten().as_deref()
+            != Some(PARTLY_WRITTEN.to_string().as_bytes())
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the written batch was not counted"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     });
 
     // The topics live in Kafka: a second client of the cluster sees them,
@@ -366,7 +406,7 @@ fn produce_through_grpc_and_query_counts_with_the_topics_in_kafka() {
         PARTITIONS
     );
     let total: u64 = (0..PARTITIONS).map(|p| log.end_offset(&topic, p).unwrap()).sum();
-    assert_eq!(total, RECORDS as u64);
+    assert_eq!(total, RECORDS as u64 + PARTLY_WRITTEN);
 
     // SIGTERM drains and commits: the memory store's watermarks reach the
     // group's committed offsets in Kafka (the group is the application id).

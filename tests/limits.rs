@@ -26,6 +26,7 @@ fn config() -> Config {
         max_value_bytes: 64 << 10,
         max_header_bytes: 1024,
         max_records_per_produce: 100,
+        max_produce_stream_bytes: 256 << 10,
         max_response_bytes: 16 << 10,
         max_stream_threads: 3,
         max_concurrent_streams: 4,
@@ -126,10 +127,59 @@ async fn produce_limits_refuse_the_request_and_write_nothing() {
         .unwrap();
     assert_eq!(accepted.record_count, 2);
     // Nothing of the refused requests was written.
-    let ends: i64 = (0..2)
-        .map(|p| server.app.read_topic("events", p, 0, 1).unwrap().end_offset as i64)
-        .sum();
-    assert_eq!(ends, 2);
+    assert_eq!(events_end_offsets(&server), 2);
+    server.stop().await;
+}
+
+/// Records in both partitions of `events`, read back from the log itself.
+fn events_end_offsets(server: &Server) -> u64 {
+    (0..2)
+        .map(|p| server.app.read_topic("events", p, 0, 1).unwrap().end_offset)
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn produce_stream_on_the_embedded_log_is_all_or_nothing() {
+    let server = Server::start().await;
+    let client = &server.client;
+    let batch = |n: usize| {
+        (0..n)
+            .map(|i| keyed_record(format!("k{i}"), vec![b'v'; 1000]))
+            .collect::<Vec<_>>()
+    };
+
+    // Batch 3 of 4 holds a key over max_key_bytes: the call fails and batches 1-2 stay unwritten.
+    let mut third = batch(10);
+    third[5] = record_with(1025, 1, 0);
+    let batches = vec![batch(50), batch(50), third, batch(50)];
+    let refused = client.produce_stream("events", tokio_stream::iter(batches)).await;
+    assert_eq!(limit_of(refused), "max_key_bytes");
+    assert_eq!(
+        events_end_offsets(&server),
+        0,
+        "nothing of the refused stream was written"
+    );
+
+    // 300 records of ~1 KB pass max_produce_stream_bytes (256 KiB): refused, nothing written.
+    let over = vec![batch(100), batch(100), batch(100)];
+    let refused = client.produce_stream("events", tokio_stream::iter(over)).await;
+    assert_eq!(limit_of(refused), "max_produce_stream_bytes");
+    assert_eq!(
+        events_end_offsets(&server),
+        0,
+        "nothing of the over-long stream was written"
+    );
+
+    // A stream within the bound is written whole, in one append.
+    let fits = vec![batch(100), batch(100)];
+    let written = client
+        .produce_stream("events", tokio_stream::iter(fits))
+        .await
+        .unwrap();
+    assert_eq!(written.record_count, 200);
+    let counted: u64 = written.partitions.iter().map(|r| r.count).sum();
+    assert_eq!(counted, 200);
+    assert_eq!(events_end_offsets(&server), 200);
     server.stop().await;
 }
 

@@ -1,6 +1,7 @@
 //! `taskstream produce`: records from arguments (one Produce call) or from
-//! stdin lines (ProduceStream in batches of 1,000, read on a plain thread so
-//! a slow server pushes back on the reader), with a progress bar on stderr.
+//! stdin lines (ProduceStream calls of at most `CALL_BYTES`, in batches of
+//! 1,000, read on a plain thread so a slow server pushes back on the reader),
+//! with a progress bar on stderr. A failed call says which lines were written.
 
 use std::io::{self, BufRead, IsTerminal};
 
@@ -16,6 +17,19 @@ pub const BATCH_RECORDS: usize = 1_000;
 const PROGRESS_AFTER_LINES: u64 = 10_000;
 /// Batches queued between the reader thread and the stream.
 const QUEUED_BATCHES: usize = 8;
+/// Keys and values per ProduceStream call. The embedded log holds a call until
+/// it ends and then writes all of it or nothing, up to the server's
+/// `max_produce_stream_bytes` (64 MiB by default): a quarter of that keeps
+/// every call well inside it, and a failure loses at most one call's work.
+pub const CALL_BYTES: u64 = 16 << 20;
+
+/// A batch for the stream, the stdin line of its last record, and whether it
+/// ends its ProduceStream call.
+struct Batch {
+    records: Vec<v1::ProducerRecord>,
+    last_line: u64,
+    ends_call: bool,
+}
 
 pub struct ProduceInput {
     pub topic: String,
@@ -46,12 +60,12 @@ pub async fn run(client: &StreamsClient, input: ProduceInput) -> anyhow::Result<
         );
     }
     let mut progress = Progress::new(input.progress, stdin_len(), ProgressDrawTarget::stderr());
-    let (tx, mut rx) = mpsc::channel::<Vec<v1::ProducerRecord>>(QUEUED_BATCHES);
+    let (tx, mut rx) = mpsc::channel::<Batch>(QUEUED_BATCHES);
     let partition = input.partition;
     let reader = std::thread::spawn(move || -> io::Result<u64> {
         let mut lines = io::stdin().lock();
         let mut line = Vec::new();
-        let (mut records, mut bytes) = (0u64, 0u64);
+        let (mut records, mut bytes, mut line_number, mut call_bytes) = (0u64, 0u64, 0u64, 0u64);
         let mut batch = Vec::with_capacity(BATCH_RECORDS);
         loop {
             line.clear();
@@ -60,30 +74,69 @@ pub async fn run(client: &StreamsClient, input: ProduceInput) -> anyhow::Result<
                 break;
             }
             bytes += read as u64;
+            line_number += 1;
             let Some(record) = parse_line(&line, key.as_ref(), partition) else {
                 continue;
             };
+            call_bytes += (record.key.as_ref().map_or(0, Bytes::len) + record.value.len()) as u64;
             batch.push(record);
             records += 1;
-            if batch.len() == BATCH_RECORDS {
+            let ends_call = call_bytes >= CALL_BYTES;
+            if batch.len() == BATCH_RECORDS || ends_call {
+                let full = Batch {
+                    records: std::mem::replace(&mut batch, Vec::with_capacity(BATCH_RECORDS)),
+                    last_line: line_number,
+                    ends_call,
+                };
                 // A closed channel means the stream failed; the error is reported there.
-                if tx
-                    .blocking_send(std::mem::replace(&mut batch, Vec::with_capacity(BATCH_RECORDS)))
-                    .is_err()
-                {
+                if tx.blocking_send(full).is_err() {
                     return Ok(records);
+                }
+                if ends_call {
+                    call_bytes = 0;
                 }
                 progress.update(records, bytes);
             }
         }
-        if !batch.is_empty() && tx.blocking_send(batch).is_err() {
+        let last = Batch {
+            records: batch,
+            last_line: line_number,
+            ends_call: true,
+        };
+        if !last.records.is_empty() && tx.blocking_send(last).is_err() {
             return Ok(records);
         }
         progress.finish(records, bytes);
         Ok(records)
     });
 
-    let Some(first) = rx.recv().await else {
+    let mut acknowledged: Option<v1::ProduceResponse> = None;
+    let mut written_through_line = 0u64;
+    while let Some(first) = rx.recv().await {
+        let (response, last_line) = produce_call(client, &input.topic, first, &mut rx).await;
+        let response = response.map_err(|error| {
+            let error = anyhow::Error::from(error);
+            match &acknowledged {
+                None => error,
+                Some(done) => error.context(format!(
+                    "stdin lines 1-{written_through_line} ({} records) were written by earlier calls; \
+                     the records from line {} on were not: resend those (`tail -n +{}`)",
+                    done.record_count,
+                    written_through_line + 1,
+                    written_through_line + 1,
+                )),
+            }
+        });
+        // Don't wait for the reader when a call failed: it may sit in a read
+        // of an interactive stdin. Exiting the process ends it.
+        let response = response?;
+        written_through_line = last_line;
+        acknowledged = Some(match acknowledged.take() {
+            None => response,
+            Some(done) => merged(done, response),
+        });
+    }
+    let Some(response) = acknowledged else {
         // The reader ended without a record: empty input, or a read error.
         let read = reader
             .join()
@@ -91,11 +144,6 @@ pub async fn run(client: &StreamsClient, input: ProduceInput) -> anyhow::Result<
         read.map_err(|e| anyhow::anyhow!("reading stdin: {e}"))?;
         return Ok(None);
     };
-    let batches = tokio_stream::once(first).chain(ReceiverStream::new(rx));
-    let response = client.produce_stream(&input.topic, batches).await;
-    // Don't wait for the reader when the stream failed: it may sit in a read
-    // of an interactive stdin. Exiting the process ends it.
-    let response = response?;
     let read = reader
         .join()
         .map_err(|_| anyhow::anyhow!("the stdin reader panicked"))?;
@@ -112,6 +160,66 @@ pub async fn run(client: &StreamsClient, input: ProduceInput) -> anyhow::Result<
         );
     }
     Ok(Some(response))
+}
+
+/// One ProduceStream call: `first`, then batches from `rx` up to the one that
+/// ends the call. Answers the call's result and the stdin line of its last record.
+async fn produce_call(
+    client: &StreamsClient,
+    topic: &str,
+    first: Batch,
+    rx: &mut mpsc::Receiver<Batch>,
+) -> (Result<v1::ProduceResponse, taskstream_client::ClientError>, u64) {
+    let last_line = std::cell::Cell::new(first.last_line);
+    let (call_tx, call_rx) = mpsc::channel::<Vec<v1::ProducerRecord>>(QUEUED_BATCHES);
+    let ends_call = first.ends_call;
+    let call = client.produce_stream(
+        topic,
+        tokio_stream::once(first.records).chain(ReceiverStream::new(call_rx)),
+    );
+    let forward = async {
+        // Dropping the sender when done ends the call's stream.
+        let call_tx = call_tx;
+        if ends_call {
+            return;
+        }
+        while let Some(batch) = rx.recv().await {
+            last_line.set(batch.last_line);
+            if call_tx.send(batch.records).await.is_err() || batch.ends_call {
+                return;
+            }
+        }
+    };
+    tokio::pin!(call, forward);
+    let mut forwarding = true;
+    let response = loop {
+        tokio::select! {
+            response = &mut call => break response,
+            () = &mut forward, if forwarding => forwarding = false,
+        }
+    };
+    (response, last_line.get())
+}
+
+/// Two acknowledgements of one topic as one: counts added, ranges joined per partition.
+fn merged(mut done: v1::ProduceResponse, next: v1::ProduceResponse) -> v1::ProduceResponse {
+    done.record_count += next.record_count;
+    for range in next.partitions {
+        match done
+            .partitions
+            .iter_mut()
+            .find(|r| r.partition == range.partition)
+        {
+            Some(known) => {
+                known.first_offset = known.first_offset.min(range.first_offset);
+                known.last_offset = known.last_offset.max(range.last_offset);
+                known.count += range.count;
+            }
+            None => done.partitions.push(range),
+        }
+    }
+    done.partitions.sort_by_key(|r| r.partition);
+    done
 }
 
 fn record(key: Option<Bytes>, value: Bytes, partition: Option<u32>) -> v1::ProducerRecord {
@@ -243,6 +351,37 @@ mod tests {
             record.key.map(|k| String::from_utf8_lossy(&k).into_owned()),
             String::from_utf8_lossy(&record.value).into_owned(),
         )
+    }
+
+    fn range(partition: u32, first_offset: i64, last_offset: i64) -> v1::PartitionRange {
+        v1::PartitionRange {
+            partition,
+            first_offset,
+            last_offset,
+            count: (last_offset - first_offset + 1) as u64,
+        }
+    }
+
+    #[test]
+    fn acknowledgements_of_several_calls_merge_per_partition() {
+        let first = v1::ProduceResponse {
+            topic: "t".into(),
+            record_count: 15,
+            positions: Vec::new(),
+            partitions: vec![range(1, 0, 9), range(0, 0, 4)],
+        };
+        let second = v1::ProduceResponse {
+            topic: "t".into(),
+            record_count: 7,
+            positions: Vec::new(),
+            partitions: vec![range(2, 0, 1), range(1, 10, 14)],
+        };
+        let merged = merged(first, second);
+        assert_eq!(merged.record_count, 22);
+        assert_eq!(
+            merged.partitions,
+            vec![range(0, 0, 4), range(1, 0, 14), range(2, 0, 1)]
+        );
     }
 
     #[test]

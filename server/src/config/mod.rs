@@ -631,6 +631,10 @@ pub struct Config {
     pub max_header_bytes: usize,
     /// Most records in one Produce request (and in each message of a ProduceStream).
     pub max_records_per_produce: usize,
+    /// Most bytes (keys, values and headers) one ProduceStream call may carry on the
+    /// embedded log, which holds them until the stream ends and then appends them all
+    /// or none; a longer stream is refused and nothing of it is written.
+    pub max_produce_stream_bytes: usize,
     /// A ReadTopic answer or a range Query page stops once its records reach this many
     /// bytes (it always holds at least one); the client reads on from where it stopped.
     pub max_response_bytes: usize,
@@ -774,6 +778,7 @@ impl Default for Config {
             max_value_bytes: 1 << 20,
             max_header_bytes: 64 << 10,
             max_records_per_produce: 10_000,
+            max_produce_stream_bytes: 64 << 20,
             max_response_bytes: 1 << 20,
             max_stream_threads: 256,
             max_concurrent_streams: 1024,
@@ -1067,6 +1072,14 @@ pub const SETTINGS: &[Setting] = &[
         "N",
         parse_number,
         "Most records in one Produce request (and in each message of a ProduceStream)."
+    ),
+    setting!(
+        max_produce_stream_bytes,
+        None,
+        "BYTES",
+        parse_number,
+        "Most bytes (keys, values, headers) of one ProduceStream call on the embedded log, which \
+         appends a whole stream or nothing of it."
     ),
     setting!(
         max_response_bytes,
@@ -1438,6 +1451,7 @@ impl Config {
             ("max_value_bytes", self.max_value_bytes),
             ("max_header_bytes", self.max_header_bytes),
             ("max_records_per_produce", self.max_records_per_produce),
+            ("max_produce_stream_bytes", self.max_produce_stream_bytes),
             ("max_response_bytes", self.max_response_bytes),
             ("max_concurrent_streams", self.max_concurrent_streams as usize),
             ("max_subscribers", self.max_subscribers),

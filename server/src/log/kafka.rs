@@ -967,6 +967,12 @@ impl Log for KafkaLog {
         self.partition_count(topic)
     }
 
+    /// A produce of many records is many Kafka messages: some may be written
+    /// when another fails.
+    fn append_is_atomic(&self) -> bool {
+        false
+    }
+
     fn append(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<Vec<RecordPosition>, LogError> {
         let partitions = self.partition_count(topic)?;
         if let Some(bad) = records
@@ -1930,6 +1936,9 @@ mod tests {
             self.log
                 .append(&self.name(topic), records)
                 .map_err(|e| self.strip(e))
+        }
+        fn append_is_atomic(&self) -> bool {
+            self.log.append_is_atomic()
         }
         fn read(
             &self,

@@ -134,6 +134,13 @@ pub trait Log: Send + Sync + 'static {
     /// Appends records; answers each record's position, in order.
     fn append(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<Vec<RecordPosition>, LogError>;
 
+    /// Whether one `append` writes all of its records or none of them, whatever
+    /// fails. ProduceStream stages a whole stream into one append where this
+    /// holds; Kafka without a transaction can fail part way, so it answers false.
+    fn append_is_atomic(&self) -> bool {
+        true
+    }
+
     /// Appends like `append`, but the records may be lost in a crash until `flush`
     /// returns (or another durable write of the log): they are readable at once.
     /// The runtime appends failed records this way and flushes before the commit

@@ -105,6 +105,12 @@ impl StreamsApp {
         Ok(shared.log.append(topic, records)?)
     }
 
+    /// Whether one `produce` writes all of its records or none (the embedded
+    /// log), or may fail part way (Kafka).
+    pub fn produce_is_atomic(&self) -> bool {
+        self.shared().log.append_is_atomic()
+    }
+
     /// Up to `max` records of one partition of any topic of the log (a source,
     /// retry or dead-letter topic) from `offset` on, with the partition's start
     /// and end offsets. An offset below the oldest retained is `OffsetOutOfRange`;

@@ -285,6 +285,44 @@ pub fn to_status(error: impl Into<ServiceError>) -> Status {
     }
 }
 
+/// `ErrorInfo.reason` of a failed ProduceStream that had appended batches before
+/// the error (Kafka, which cannot take a stream back), when the error itself carries
+/// no ErrorInfo; metadata `written_batches`, `written_records` are added either way.
+pub const REASON_PARTLY_WRITTEN: &str = "PARTLY_WRITTEN";
+
+/// `status` of a ProduceStream that appended its first `batches` batches (`records`
+/// records) before failing: the message and ErrorInfo say so, so that a client resends
+/// only from batch `batches` on. With nothing written it is `status` as it is.
+pub fn partly_written(status: Status, batches: u64, records: u64) -> Status {
+    if batches == 0 {
+        return status;
+    }
+    let mut details = status.get_error_details();
+    let counts = [
+        ("written_batches".to_string(), batches.to_string()),
+        ("written_records".to_string(), records.to_string()),
+    ];
+    let (reason, domain, mut metadata) = match details.error_info() {
+        Some(info) => (info.reason.clone(), info.domain.clone(), info.metadata.clone()),
+        None => (
+            REASON_PARTLY_WRITTEN.to_string(),
+            ERROR_DOMAIN.to_string(),
+            HashMap::new(),
+        ),
+    };
+    metadata.extend(counts);
+    details.set_error_info(reason, domain, metadata);
+    Status::with_error_details(
+        status.code(),
+        format!(
+            "{}; the stream's first {batches} batches ({records} records) were written before \
+             this error and stay written: resend from batch {batches} on",
+            status.message()
+        ),
+        details,
+    )
+}
+
 /// `error` with every string that may repeat client input cut to `MAX_ECHO_BYTES` (and the
 /// server's sentences, which hold such echoes, to `MAX_SENTENCE_BYTES`), so that the message
 /// and the details built from it stay small whatever the request held.
@@ -467,6 +505,32 @@ mod tests {
         assert_eq!(bad.field_violations.len(), 1);
         assert_eq!(bad.field_violations[0].field, "num_stream_threads");
         assert_eq!(bad.field_violations[0].description, "must be at least 1");
+    }
+
+    #[test]
+    fn a_partly_written_stream_says_how_much_was_written() {
+        let limit = to_status(RuntimeError::limit_exceeded(
+            "max_key_bytes",
+            1024,
+            "key too long",
+        ));
+        assert_eq!(partly_written(limit.clone(), 0, 0).message(), limit.message());
+
+        let status = partly_written(limit, 2, 2000);
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        assert!(status.message().contains("resend from batch 2"), "{status:?}");
+        let info = status.get_details_error_info().expect("ErrorInfo");
+        assert_eq!(info.reason, REASON_LIMIT_EXCEEDED, "the error's own reason stays");
+        assert_eq!(info.metadata["setting"], "max_key_bytes");
+        assert_eq!(info.metadata["written_batches"], "2");
+        assert_eq!(info.metadata["written_records"], "2000");
+
+        // An error without ErrorInfo of its own gets one.
+        let status = partly_written(Status::cancelled("the client went away"), 1, 10);
+        assert_eq!(status.code(), Code::Cancelled);
+        let info = status.get_details_error_info().expect("ErrorInfo");
+        assert_eq!(info.reason, REASON_PARTLY_WRITTEN);
+        assert_eq!(info.metadata["written_batches"], "1");
     }
 
     #[test]

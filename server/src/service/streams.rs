@@ -8,8 +8,9 @@ use super::convert::{self, PartitionRanges};
 use super::forward::{self, Peers};
 use super::outcomes::{self, PumpSettings, STREAM_CHANNEL_CAPACITY, StreamItem};
 use super::request::{self, QueryArgs, StoreQuery};
-use super::status::{ServiceError, to_status};
+use super::status::{self, ServiceError, to_status};
 use crate::config::Config;
+use crate::log::ProducerRecord;
 use crate::metadata::{HostInfo, PartitionOwner};
 use crate::runtime::echo;
 use crate::runtime::{RangePage, RuntimeError, StreamsApp};
@@ -52,6 +53,83 @@ impl StreamsHandler {
 
     fn produce_limits(&self) -> request::ProduceLimits {
         request::ProduceLimits::of(self.app.config())
+    }
+
+    /// The body of ProduceStream; `written` counts what reached the log before an error.
+    async fn append_stream(
+        &self,
+        role: Role,
+        mut batches: Streaming<pb::ProduceRequest>,
+        written: &mut Written,
+    ) -> Result<pb::ProduceResponse, Status> {
+        let atomic = self.app.produce_is_atomic();
+        let max_staged = self.app.config().max_produce_stream_bytes;
+        let mut topic: Option<String> = None;
+        let mut staged = Vec::new();
+        let mut staged_bytes = 0usize;
+        let mut ranges = PartitionRanges::default();
+        let mut index = 0usize;
+        while let Some(batch) = batches.next().await {
+            let (batch_topic, records) =
+                request::produce_batch(batch?, self.produce_limits()).map_err(to_status)?;
+            match &topic {
+                None => {
+                    self.check_topic_access(role, &batch_topic, "ProduceStream to")?;
+                    topic = Some(batch_topic.clone());
+                }
+                Some(first) if *first != batch_topic => {
+                    return Err(to_status(RuntimeError::invalid_argument(
+                        "topic",
+                        format!(
+                            "batch {index} names topic `{batch_topic}` but the stream started with `{first}`; \
+                             one ProduceStream call appends to one topic"
+                        ),
+                    )));
+                }
+                Some(_) => {}
+            }
+            if atomic {
+                staged_bytes = staged_bytes.saturating_add(records.iter().map(produced_bytes).sum());
+                if staged_bytes > max_staged {
+                    return Err(to_status(RuntimeError::limit_exceeded(
+                        "max_produce_stream_bytes",
+                        max_staged as u64,
+                        format!(
+                            "batch {index} takes the stream's keys, values and headers past \
+                             {max_staged} bytes; nothing of this stream was written: send it as \
+                             several ProduceStream calls"
+                        ),
+                    )));
+                }
+                staged.extend(records);
+            } else {
+                let app = self.app.clone();
+                let count = records.len() as u64;
+                let positions = blocking(move || app.produce(&batch_topic, records)).await?;
+                ranges.add(&positions);
+                written.batches += 1;
+                written.records += count;
+            }
+            index += 1;
+        }
+        let Some(topic) = topic else {
+            return Err(to_status(RuntimeError::invalid_argument(
+                "topic",
+                "the stream carried no batch; send at least one ProduceRequest naming the topic",
+            )));
+        };
+        if atomic {
+            let app = self.app.clone();
+            let name = topic.clone();
+            let positions = blocking(move || app.produce(&name, staged)).await?;
+            ranges.add(&positions);
+        }
+        Ok(pb::ProduceResponse {
+            topic,
+            record_count: ranges.record_count(),
+            positions: Vec::new(),
+            partitions: ranges.to_proto(),
+        })
     }
 
     /// Routes a query by partition (see `StreamsApp::route`). Partitions of
@@ -322,55 +400,41 @@ impl StreamsService for StreamsHandler {
         Ok(Response::new(convert::topic_read(topic, partition, read)))
     }
 
-    /// Appends each batch as it arrives, so memory stays at one batch however
-    /// long the stream. Batches appended before an error stay appended (as with
-    /// a Kafka producer); the error says which batch failed.
+    /// One call is all or nothing where the log can append it so (the embedded
+    /// log): batches are checked as they arrive, held (up to
+    /// `max_produce_stream_bytes`) and appended at once when the stream ends, so
+    /// an error anywhere writes nothing. On Kafka each batch is appended as it
+    /// arrives and an error says how many were written before it.
     async fn produce_stream(
         &self,
         request: Request<Streaming<pb::ProduceRequest>>,
     ) -> Result<Response<pb::ProduceResponse>, Status> {
         let role = role_of(&request);
-        let mut batches = request.into_inner();
-        let mut topic: Option<String> = None;
-        let mut ranges = PartitionRanges::default();
-        let mut index = 0usize;
-        while let Some(batch) = batches.next().await {
-            let (batch_topic, records) =
-                request::produce_batch(batch?, self.produce_limits()).map_err(to_status)?;
-            match &topic {
-                None => {
-                    self.check_topic_access(role, &batch_topic, "ProduceStream to")?;
-                    topic = Some(batch_topic.clone());
-                }
-                Some(first) if *first != batch_topic => {
-                    return Err(to_status(RuntimeError::invalid_argument(
-                        "topic",
-                        format!(
-                            "batch {index} names topic `{batch_topic}` but the stream started with `{first}`; \
-                             one ProduceStream call appends to one topic"
-                        ),
-                    )));
-                }
-                Some(_) => {}
-            }
-            let app = self.app.clone();
-            let positions = blocking(move || app.produce(&batch_topic, records)).await?;
-            ranges.add(&positions);
-            index += 1;
-        }
-        let Some(topic) = topic else {
-            return Err(to_status(RuntimeError::invalid_argument(
-                "topic",
-                "the stream carried no batch; send at least one ProduceRequest naming the topic",
-            )));
-        };
-        Ok(Response::new(pb::ProduceResponse {
-            topic,
-            record_count: ranges.record_count(),
-            positions: Vec::new(),
-            partitions: ranges.to_proto(),
-        }))
+        let mut written = Written::default();
+        self.append_stream(role, request.into_inner(), &mut written)
+            .await
+            .map(Response::new)
+            .map_err(|error| status::partly_written(error, written.batches, written.records))
     }
+}
+
+/// What a ProduceStream appended before it failed (Kafka only: the embedded
+/// log writes a stream at its end).
+#[derive(Default)]
+struct Written {
+    batches: u64,
+    records: u64,
+}
+
+/// What a produced record holds in memory: its key, value and headers.
+fn produced_bytes(record: &ProducerRecord) -> usize {
+    record.key.as_ref().map_or(0, bytes::Bytes::len)
+        + record.value.len()
+        + record
+            .headers
+            .iter()
+            .map(|(name, value)| name.len() + value.len())
+            .sum::<usize>()
 }
 
 /// Runs a blocking runtime call on tokio's blocking pool.
