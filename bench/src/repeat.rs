@@ -4,6 +4,7 @@
 //! the load average at each run's start and the process CPU time per record.
 
 use std::fmt::Write as _;
+use std::time::Duration;
 
 /// What one timed run of a variant gave.
 #[derive(Debug, Clone, Copy)]
@@ -126,6 +127,17 @@ pub fn cpu_seconds() -> f64 {
     let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).unwrap_or(0.0);
     // After ")": state is field 3, so utime (14) and stime (15) are at 11 and 12.
     (ticks(11) + ticks(12)) / 100.0
+}
+
+/// CPU time of the calling thread so far (0 when unknown): the first field of
+/// /proc/thread-self/schedstat, in nanoseconds. Unlike a wall clock it does not
+/// count the time the thread waited for a core, which on a loaded machine is
+/// most of it.
+pub fn thread_cpu() -> Duration {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|stat| stat.split_whitespace().next()?.parse::<u64>().ok())
+        .map_or(Duration::ZERO, Duration::from_nanos)
 }
 
 /// The 1-minute load average (0 when unknown).

@@ -6,6 +6,7 @@
 //! short translation into scheduler calls.
 
 use super::builder::AppBuilder;
+use super::pages::check_range_order;
 use super::shared::Shared;
 use super::subscription::{EndAt, OutcomeSubscription, PartitionRange, StartAt, SubscribeRequest};
 use super::{RuntimeError, commit, describe, driver, recovery};
@@ -273,14 +274,7 @@ impl StreamsApp {
         let shared = self.shared();
         shared.ensure_running()?;
         let p = shared.pipeline_index(store)?;
-        if let (Some(f), Some(t)) = (from, to)
-            && f > t
-        {
-            return Err(RuntimeError::invalid_argument(
-                "range",
-                "`from` is greater than `to`",
-            ));
-        }
+        check_range_order(from, to)?;
         hosted_partitions(shared, p, partitions)?
             .into_iter()
             .map(|partition| read_partition(shared, p, partition, from, to, limit))

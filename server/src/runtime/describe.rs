@@ -91,16 +91,17 @@ pub(crate) fn streams_metadata(
         if !pipelines.contains(&task.pipeline()) {
             continue;
         }
-        let tp = TopicPartition {
+        topic_partitions.push(TopicPartition {
             topic: shared.pipelines[task.pipeline()].topic.to_string(),
             partition: task.partition(),
-        };
-        if !topic_partitions.contains(&tp) {
-            topic_partitions.push(tp);
-        }
+        });
         tasks.push(task_metadata(shared, scheduler, index, task));
     }
+    // Sorted, then repeats dropped (pipelines may share a source topic): a
+    // linear `contains` per task made this quadratic in the tasks, all of it
+    // under the scheduler lock that every stream thread needs.
     topic_partitions.sort();
+    topic_partitions.dedup();
     StreamsMetadata {
         host_info: shared.host_info.clone(),
         state_store_names: shared.pipelines.iter().map(|p| p.name.to_string()).collect(),

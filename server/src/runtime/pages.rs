@@ -104,14 +104,7 @@ impl StreamsApp {
         let shared = self.shared();
         shared.ensure_running()?;
         let p = shared.pipeline_index(store)?;
-        if let (Some(f), Some(t)) = (from, to)
-            && f > t
-        {
-            return Err(RuntimeError::invalid_argument(
-                "range",
-                "`from` is greater than `to`",
-            ));
-        }
+        check_range_order(from, to)?;
         let mut results = Vec::new();
         let mut bytes = 0usize;
         let mut taken_any = false;
@@ -181,5 +174,16 @@ fn empty(partition: u32) -> PartitionQueryResult {
         position: 0,
         entries: Vec::new(),
         committed_at: None,
+    }
+}
+
+/// A range whose `from` is above its `to` is a malformed request, not an empty answer.
+pub(super) fn check_range_order(from: Option<&[u8]>, to: Option<&[u8]>) -> Result<(), RuntimeError> {
+    match (from, to) {
+        (Some(f), Some(t)) if f > t => Err(RuntimeError::invalid_argument(
+            "range",
+            "`from` is greater than `to`",
+        )),
+        _ => Ok(()),
     }
 }

@@ -410,21 +410,11 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
                     failure.attempts + 1,
                     None,
                 ));
-            } else {
-                let dead = retry::failed_record(&pipeline.topic, record, &failure);
-                to_dead_letter.push((outcomes.len(), dead));
-                outcomes.push(outcome(
-                    shared,
-                    context,
-                    record,
-                    Outcome::DeadLettered,
-                    failure.attempts,
-                    Some(&failure),
-                ));
+                continue;
             }
-            continue;
         }
-        if max_attempts <= 1 || !retryable {
+        // Blocking retries used up, a single attempt allowed, or a failure not worth retrying.
+        if pipeline.retry_policy == RetryPolicy::Blocking || max_attempts <= 1 || !retryable {
             let dead = retry::failed_record(&pipeline.topic, record, &failure);
             to_dead_letter.push((outcomes.len(), dead));
             outcomes.push(outcome(
@@ -432,7 +422,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
                 context,
                 record,
                 Outcome::DeadLettered,
-                1,
+                failure.attempts,
                 Some(&failure),
             ));
             continue;
