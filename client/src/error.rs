@@ -13,6 +13,8 @@ use tonic_types::StatusExt;
 pub const REASON_SUBSCRIBER_LAGGED: &str = "SUBSCRIBER_LAGGED";
 /// ErrorInfo reason of a request over one of the server's limits.
 pub const REASON_LIMIT_EXCEEDED: &str = "LIMIT_EXCEEDED";
+/// ErrorInfo reason of PERMISSION_DENIED; metadata `role` names the role needed.
+pub const REASON_ROLE_REQUIRED: &str = "ROLE_REQUIRED";
 
 /// One violated precondition (google.rpc.PreconditionFailure.Violation).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,6 +54,8 @@ pub struct FieldViolation {
 /// | `Lagged` | RESOURCE_EXHAUSTED with ErrorInfo reason `SUBSCRIBER_LAGGED`, or the in-band `Lagged` notice | 7 |
 /// | `Transport` | connect failures; UNKNOWN, CANCELLED; UNAVAILABLE raised by the transport | 8 |
 /// | `LimitExceeded` | any other RESOURCE_EXHAUSTED (reason `LIMIT_EXCEEDED`: a size or count over a limit) | 9 |
+/// | `Unauthenticated` | UNAUTHENTICATED: no bearer token, or one the server does not know | 10 |
+/// | `PermissionDenied` | PERMISSION_DENIED: the token's role is below the call's | 11 |
 /// | `Other` | anything else (INTERNAL, …) | 1 |
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ClientError {
@@ -111,6 +115,16 @@ pub enum ClientError {
         setting: Option<String>,
         limit: Option<u64>,
     },
+
+    /// The server checks bearer tokens and the call carried none it knows
+    /// (the builder's `token`, the CLI's `--token`).
+    #[error("{message}")]
+    Unauthenticated { message: String },
+
+    /// The caller's role is below what the call needs; `role` is the role
+    /// needed (`read`, `write` or `admin`), when the server said.
+    #[error("{message}")]
+    PermissionDenied { message: String, role: Option<String> },
 
     /// The server could not be reached, or the connection broke mid-call.
     /// The message starts with "transport error" or "cannot connect".
@@ -202,6 +216,14 @@ impl ClientError {
                     limit: info.and_then(|i| i.metadata.get("limit").and_then(|n| n.parse().ok())),
                 },
             },
+            Code::Unauthenticated => ClientError::Unauthenticated { message },
+            Code::PermissionDenied => ClientError::PermissionDenied {
+                message,
+                role: status
+                    .get_details_error_info()
+                    .filter(|info| info.reason == REASON_ROLE_REQUIRED)
+                    .and_then(|info| info.metadata.get("role").cloned()),
+            },
             // What a dropped connection or a reset stream looks like to the client.
             Code::Unknown | Code::Cancelled => ClientError::Transport {
                 message: format!("transport error: {message}"),
@@ -221,6 +243,8 @@ impl ClientError {
             ClientError::Lagged { .. } => 7,
             ClientError::Transport { .. } => 8,
             ClientError::LimitExceeded { .. } => 9,
+            ClientError::Unauthenticated { .. } => 10,
+            ClientError::PermissionDenied { .. } => 11,
             ClientError::Other { .. } => 1,
         }
     }
@@ -363,6 +387,34 @@ mod tests {
             }
         );
         assert_eq!(error.exit_code(), 4);
+    }
+
+    #[test]
+    fn missing_tokens_and_low_roles_have_their_own_errors() {
+        let error = ClientError::from_status(&Status::unauthenticated("send a bearer token"));
+        assert_eq!(
+            error,
+            ClientError::Unauthenticated {
+                message: "send a bearer token".into()
+            }
+        );
+        assert_eq!(error.exit_code(), 10);
+
+        let details = ErrorDetails::with_error_info(
+            REASON_ROLE_REQUIRED,
+            "taskstream",
+            HashMap::from([("role".to_string(), "admin".to_string())]),
+        );
+        let status = Status::with_error_details(Code::PermissionDenied, "needs admin", details);
+        let error = ClientError::from_status(&status);
+        assert_eq!(
+            error,
+            ClientError::PermissionDenied {
+                message: "needs admin".into(),
+                role: Some("admin".into()),
+            }
+        );
+        assert_eq!(error.exit_code(), 11);
     }
 
     #[test]

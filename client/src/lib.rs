@@ -38,7 +38,8 @@ mod test_server;
 pub use callback::{CancelHandle, MetadataHandle, RecordCallback};
 pub use client::{ClientBuilder, Credentials, StreamsClient, Transport, keyed_record, unkeyed_record};
 pub use error::{
-    ClientError, FieldViolation, PreconditionViolation, REASON_LIMIT_EXCEEDED, REASON_SUBSCRIBER_LAGGED,
+    ClientError, FieldViolation, PreconditionViolation, REASON_LIMIT_EXCEEDED, REASON_ROLE_REQUIRED,
+    REASON_SUBSCRIBER_LAGGED,
 };
 pub use metadata::{CompletedRange, End, MetadataBatch, MetadataOptions, RecordMetadata, Start};
 pub use taskstream::v1;
