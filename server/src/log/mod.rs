@@ -108,15 +108,21 @@ impl Retention {
     }
 }
 
-/// Bytes a record counts for in `Retention::max_bytes`: key, value, header
-/// names and values, plus a fixed 16 for offset and timestamp.
+/// Bytes a record counts for in `Retention::max_bytes`: its payload plus a
+/// fixed 16 for offset and timestamp.
 pub fn record_size(key: Option<&[u8]>, value: &[u8], headers: &[(String, Bytes)]) -> u64 {
-    16 + key.map_or(0, |k| k.len() as u64)
-        + value.len() as u64
+    16 + payload_bytes(key, value, headers) as u64
+}
+
+/// What a record carries: key, value, header names and values. The measure of
+/// the limits on answers and on a staged ProduceStream.
+pub fn payload_bytes(key: Option<&[u8]>, value: &[u8], headers: &[(String, Bytes)]) -> usize {
+    key.map_or(0, <[u8]>::len)
+        + value.len()
         + headers
             .iter()
-            .map(|(name, v)| (name.len() + v.len()) as u64)
-            .sum::<u64>()
+            .map(|(name, v)| name.len() + v.len())
+            .sum::<usize>()
 }
 
 /// Called with (topic, partition) after records are appended, so waiting

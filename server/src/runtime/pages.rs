@@ -30,13 +30,7 @@ pub struct RangePage {
 
 /// What a record weighs against a page's budget: its key, value and headers.
 pub fn record_bytes(record: &Record) -> usize {
-    record.key.as_ref().map_or(0, Bytes::len)
-        + record.value.len()
-        + record
-            .headers
-            .iter()
-            .map(|(name, value)| name.len() + value.len())
-            .sum::<usize>()
+    crate::log::payload_bytes(record.key.as_deref(), &record.value, &record.headers)
 }
 
 impl StreamsApp {

@@ -428,13 +428,7 @@ struct Written {
 
 /// What a produced record holds in memory: its key, value and headers.
 fn produced_bytes(record: &ProducerRecord) -> usize {
-    record.key.as_ref().map_or(0, bytes::Bytes::len)
-        + record.value.len()
-        + record
-            .headers
-            .iter()
-            .map(|(name, value)| name.len() + value.len())
-            .sum::<usize>()
+    crate::log::payload_bytes(record.key.as_deref(), &record.value, &record.headers)
 }
 
 /// Runs a blocking runtime call on tokio's blocking pool.
