@@ -417,6 +417,25 @@ fn a_record_running_past_the_processing_timeout_takes_the_retry_path() {
 }
 
 #[test]
+fn a_hand_written_retry_record_dated_in_the_future_is_retried_not_stuck() {
+    // Only `admin` may write a retry topic through the service; what it writes
+    // there must still drain. A last failure in the future counts as now.
+    let app = StreamsApp::start(config(2, 1, ProcessingOrder::Offset, 1, "latest")).unwrap();
+    app.produce("in", vec![ProducerRecord::keyed("k", "v")]).unwrap();
+    let forged = ProducerRecord {
+        key: Some(Bytes::from_static(b"forged")),
+        value: Bytes::from_static(b"f"),
+        partition: Some(0),
+        timestamp_ms: Some(i64::MAX),
+        headers: Vec::new(),
+    };
+    app.produce("app-p-retry", vec![forged]).unwrap();
+    assert!(app.wait_until_caught_up(WAIT), "the retry backlog drains");
+    assert_eq!(app.get("p", b"forged").unwrap().unwrap(), "f");
+    assert_eq!(app.get("p", b"k").unwrap().unwrap(), "v");
+}
+
+#[test]
 fn reserve_threads_are_lent_to_retries_and_return_when_the_backlog_is_drained() {
     // Retries are slow, so the lent threads can be seen.
     let slow_retries = Arc::new(|record: &Record, ctx: &ProcessorContext<'_>| {

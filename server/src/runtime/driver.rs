@@ -285,10 +285,11 @@ fn fetch(
     match source {
         Source::Records => scheduler.finish_fetch(me, task, generation, records, Instant::now()),
         Source::Retries => {
+            let now_ms = process::now_ms();
             let items = records.map(|records| {
                 records
                     .into_iter()
-                    .map(|r| retry::decode(r, |attempts, seed| shared.backoff(attempts, seed)))
+                    .map(|r| retry::decode(r, now_ms, |attempts, seed| shared.backoff(attempts, seed)))
                     .collect()
             });
             scheduler.finish_retry_fetch(me, task, generation, items);

@@ -124,12 +124,16 @@ fn header_text(record: &Record, name: &str) -> String {
     header::<String>(record, name).unwrap_or_default()
 }
 
-/// Decodes a retry-topic record. A record missing runtime headers (written by
-/// hand) is retried as a first failure of its own offset.
-pub(crate) fn decode(retry: Record, backoff_of: impl Fn(u32, u64) -> Duration) -> RetryItem {
+/// Decodes a retry-topic record at `now_ms`. A record missing runtime headers
+/// (written by hand) is retried as a first failure of its own offset. A last
+/// failure later than now (a hand-set timestamp or header) counts as now: its
+/// entry would otherwise never fall due and the retry backlog never drain.
+pub(crate) fn decode(retry: Record, now_ms: i64, backoff_of: impl Fn(u32, u64) -> Duration) -> RetryItem {
     let marker = retry.headers.iter().any(|(name, _)| name == headers::VOID);
     let attempts = header(&retry, headers::ATTEMPTS).unwrap_or(1);
-    let last_failure_ms = header(&retry, headers::LAST_FAILURE_MS).unwrap_or(retry.timestamp_ms);
+    let last_failure_ms = header(&retry, headers::LAST_FAILURE_MS)
+        .unwrap_or(retry.timestamp_ms)
+        .min(now_ms);
     let failure = Failure {
         kind: header_text(&retry, headers::EXCEPTION),
         message: header_text(&retry, headers::MESSAGE),
@@ -223,7 +227,7 @@ impl RetryBacklog {
                     final_offsets.extend(voided);
                     final_offsets.insert(record.offset);
                 } else {
-                    entries.push(decode(record, |_, _| Duration::ZERO));
+                    entries.push(decode(record, i64::MAX, |_, _| Duration::ZERO));
                 }
             }
         }
@@ -308,7 +312,7 @@ pub(crate) mod tests {
             value: produced.value,
             headers: produced.headers,
         };
-        let item = decode(stored, |_, _| Duration::from_millis(250));
+        let item = decode(stored, 10_000, |_, _| Duration::from_millis(250));
         assert_eq!(item.retry_offset, 7);
         assert_eq!(
             item.record, source,
@@ -316,5 +320,21 @@ pub(crate) mod tests {
         );
         assert_eq!(item.failure, failure(2));
         assert_eq!(item.due_ms, 6_250);
+    }
+
+    #[test]
+    fn a_hand_written_retry_record_from_the_future_falls_due_after_one_backoff() {
+        let mut forged = record("k", 9);
+        forged.timestamp_ms = i64::MAX;
+        let item = decode(forged.clone(), 10_000, |_, _| Duration::from_millis(250));
+        assert_eq!(item.failure.attempts, 1, "a first failure of its own offset");
+        assert_eq!(item.due_ms, 10_250);
+
+        forged.timestamp_ms = 2_000;
+        forged
+            .headers
+            .push((headers::LAST_FAILURE_MS.into(), Bytes::from(i64::MAX.to_string())));
+        let item = decode(forged, 10_000, |_, _| Duration::from_millis(250));
+        assert_eq!(item.due_ms, 10_250);
     }
 }
