@@ -85,6 +85,44 @@ impl AppBuilder {
 
     /// Validates the config, creates topics and tasks, and starts the threads.
     pub fn start(self) -> Result<StreamsApp, RuntimeError> {
+        let Laid { shared, slots, group } = self.lay_out()?;
+        let app = StreamsApp {
+            inner: Arc::new(AppInner {
+                shared: shared.clone(),
+            }),
+        };
+        {
+            let scheduler = shared.lock();
+            // Restoring: calls answer UNAVAILABLE until the last store is rebuilt.
+            if scheduler.all_restored() {
+                shared.set_state(AppState::Running);
+            }
+            let names: Vec<_> = slots
+                .iter()
+                .map(|&s| scheduler.threads()[s].name().clone())
+                .collect();
+            drop(scheduler);
+            for (slot, name) in slots.into_iter().zip(names) {
+                driver::spawn(&shared, slot, &name);
+            }
+        }
+        if group {
+            join_group(&shared)?;
+        }
+        Ok(app)
+    }
+
+    /// The app as `start` lays it out, with the scheduler's thread slots but
+    /// no stream thread: a test picks for the slots and carries the picks out
+    /// itself, in the order it means to check.
+    #[cfg(test)]
+    pub(crate) fn start_without_threads(self) -> Result<Arc<Shared>, RuntimeError> {
+        Ok(self.lay_out()?.shared)
+    }
+
+    /// Everything `start` does before the stream threads: validate, create
+    /// topics, lay out the pipelines, plan the tasks.
+    fn lay_out(self) -> Result<Laid, RuntimeError> {
         let config = self.config;
         config.validate()?;
         let (host, port) = crate::config::parse_host_port(&config.application_server)
@@ -151,31 +189,17 @@ impl AppBuilder {
                 }
             }
         }
-        let app = StreamsApp {
-            inner: Arc::new(AppInner {
-                shared: shared.clone(),
-            }),
-        };
-        {
-            let scheduler = shared.lock();
-            // Restoring: calls answer UNAVAILABLE until the last store is rebuilt.
-            if scheduler.all_restored() {
-                shared.set_state(AppState::Running);
-            }
-            let names: Vec<_> = slots
-                .iter()
-                .map(|&s| scheduler.threads()[s].name().clone())
-                .collect();
-            drop(scheduler);
-            for (slot, name) in slots.into_iter().zip(names) {
-                driver::spawn(&shared, slot, &name);
-            }
-        }
-        if group {
-            join_group(&shared)?;
-        }
-        Ok(app)
+        Ok(Laid { shared, slots, group })
     }
+}
+
+/// An app laid out, its threads not yet started.
+struct Laid {
+    shared: Arc<Shared>,
+    /// The scheduler's slots for the stream threads.
+    slots: Vec<usize>,
+    /// It joins the consumer group of its `application_id` (Kafka).
+    group: bool,
 }
 
 /// Joins the consumer group of the `application_id`, subscribed to every

@@ -67,11 +67,18 @@ fn checkpoint(item: &CommitItem) -> Checkpoint {
     }
 }
 
-/// Freezes a persistent store's commit (what its checkpoint covers). A
-/// previous commit still pending (being written, or failed to be) is
-/// written first, so one failure does not stop every later commit.
+/// Freezes a persistent store's commit (what its checkpoint covers); `last`
+/// for the final commit of a task that leaves or of the app. A previous
+/// commit still pending (being written, or failed to be) is written first,
+/// so one failure does not stop every later commit.
 /// Err: the earlier commit still cannot be written (a storage fault).
-fn freeze(shared: &Shared, item: &CommitItem) -> Result<FreezeResult, String> {
+///
+/// A commit round decides its commits under the scheduler's lock and
+/// freezes them after it, so its task may leave in between: once the task's
+/// final commit has begun, the round's (older) commit is `Stale` and dropped.
+/// Written after the final one, its checkpoint would send the task's next
+/// incarnation back over records whose writes the store already holds.
+fn freeze(shared: &Shared, item: &CommitItem, last: bool) -> Result<FreezeResult, String> {
     let Some(task_store) = item.store.as_ref() else {
         return Ok(FreezeResult::Frozen);
     };
@@ -79,19 +86,27 @@ fn freeze(shared: &Shared, item: &CommitItem) -> Result<FreezeResult, String> {
         return Ok(FreezeResult::Frozen);
     };
     let checkpoint = checkpoint(item);
-    match store.begin_commit(&checkpoint) {
-        Ok(true) => return Ok(FreezeResult::Frozen),
-        Ok(false) => {}
-        Err(FreezeError) => return Ok(FreezeResult::OutOfOrder),
+    let begin = || {
+        let begun = if last {
+            store.begin_last_commit(&checkpoint)
+        } else {
+            store.begin_commit(&checkpoint)
+        };
+        match begun {
+            Ok(true) => FreezeResult::Frozen,
+            Ok(false) if !last && store.last_commit_begun() => FreezeResult::Stale,
+            Ok(false) => FreezeResult::Busy,
+            Err(FreezeError) => FreezeResult::OutOfOrder,
+        }
+    };
+    match begin() {
+        FreezeResult::Busy => {}
+        result => return Ok(result),
     }
     task_store
         .finish_commit(shared.log.as_ref(), &|checkpoint| seal(shared, item, checkpoint))
         .map_err(|e| e.to_string())?;
-    Ok(match store.begin_commit(&checkpoint) {
-        Ok(true) => FreezeResult::Frozen,
-        Ok(false) => FreezeResult::Busy,
-        Err(FreezeError) => FreezeResult::OutOfOrder,
-    })
+    Ok(begin())
 }
 
 /// Appends the outputs released so far by the tasks of `items`: with the
@@ -129,7 +144,7 @@ pub(crate) fn run(shared: &Shared, items: Vec<CommitItem>) {
     let mut results = Vec::with_capacity(items.len());
     let mut faults = Vec::new();
     for item in items {
-        let result = match freeze(shared, &item) {
+        let result = match freeze(shared, &item, false) {
             Ok(result) => result,
             Err(error) => {
                 faults.push((item.clone(), error));
@@ -169,7 +184,9 @@ fn write_all(shared: &Shared, items: &[CommitItem]) {
     for item in items {
         // A task that left (or is leaving) commits its last position itself;
         // a commit decided before must not overwrite it. Checked and written
-        // under the commit lock the leaving task's last commit takes too.
+        // under the commit lock the leaving task's last commit takes too. A
+        // persistent store's was frozen before that last commit began (see
+        // `freeze`), which then wrote it first: `write` finds nothing left.
         let _serial = shared.commit_lock.lock().unwrap_or_else(|e| e.into_inner());
         if item.store.is_none() && shared.lock().is_stale(item) {
             continue;
@@ -335,10 +352,12 @@ pub(crate) fn final_commit(shared: &Shared, item: &CommitItem) -> Result<(), Str
         failed(shared, item, &error);
         return Err(error);
     }
-    let error = match freeze(shared, item) {
+    let error = match freeze(shared, item, true) {
         Ok(FreezeResult::Frozen) => return write_and_report(shared, item),
         Ok(FreezeResult::Busy) => "the store's previous commit could not be written".to_string(),
         Ok(FreezeResult::OutOfOrder) => FreezeError.to_string(),
+        // Only a commit that is not the last one is stale.
+        Ok(FreezeResult::Stale) => "the store's last commit was taken already".to_string(),
         Err(error) => error,
     };
     failed(shared, item, &error);
@@ -477,3 +496,6 @@ pub(crate) fn dead_lettered(shared: &Shared, topic: &str, partition: u32) -> u64
     let end = shared.log.end_offset(topic, partition).unwrap_or(0);
     end - shared.log.start_offset(topic, partition).unwrap_or(0).min(end)
 }
+
+#[cfg(test)]
+mod tests;

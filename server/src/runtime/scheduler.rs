@@ -719,7 +719,7 @@ impl Scheduler {
         };
         match result {
             FreezeResult::Frozen => task.commit_frozen(true),
-            FreezeResult::Busy => task.commit_frozen(false),
+            FreezeResult::Busy | FreezeResult::Stale => task.commit_frozen(false),
             FreezeResult::OutOfOrder => task.commit_needs_drain(),
         }
     }

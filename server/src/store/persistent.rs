@@ -451,6 +451,9 @@ pub struct PersistentStore {
     /// The watermark of a commit announced and not yet frozen (`u64::MAX`: none): no write
     /// it covers may be dropped as settled before it freezes (see `apply`).
     announced: std::sync::atomic::AtomicU64,
+    /// The store's last commit was begun (`begin_last_commit`): no other commit freezes after
+    /// it. Set and read under `pending`'s lock, so a freeze is either before it or refused.
+    last_begun: std::sync::atomic::AtomicBool,
     /// Only `finish_commit` uses it (reads go through `committed`). After an I/O error redb
     /// fails every later operation until the file is reopened, which `finish_commit` does at
     /// once (`reopen`); `None` while that failed. Declared after `committed`: the cached read
@@ -584,6 +587,7 @@ impl PersistentStore {
             pending: Mutex::new(None),
             writer: Mutex::new(()),
             announced: std::sync::atomic::AtomicU64::new(u64::MAX),
+            last_begun: std::sync::atomic::AtomicBool::new(false),
             db: Mutex::new(Some(db)),
             reopen,
             path: path.to_path_buf(),
@@ -676,16 +680,35 @@ impl PersistentStore {
 
     /// Freezes the writes `checkpoint` covers as the next commit (see `WriteTag`); later
     /// writes stay for the one after. Answers false (and freezes nothing) while the previous
-    /// frozen commit is still being written, or failed to be written.
+    /// frozen commit is still being written, or failed to be written, and for good once the
+    /// store's last commit was begun (see `begin_last_commit`).
     ///
     /// Untracked writes are always covered, so for them the freeze is exact only while no
     /// processor of the task runs, which is how the runtime calls it for untracked tasks.
     pub fn begin_commit(&self, checkpoint: &Checkpoint) -> Result<bool, FreezeError> {
-        let frozen = self.freeze(checkpoint);
+        let frozen = self.freeze(checkpoint, false);
         // Frozen or given up: either way, no commit is on its way any more.
         self.announced
             .store(u64::MAX, std::sync::atomic::Ordering::SeqCst);
         frozen
+    }
+
+    /// `begin_commit` for the store's last commit (its task leaves, or the app stops), which
+    /// from its first call on is the only one that may freeze: a commit decided before it
+    /// (at an older checkpoint) and begun after it would otherwise write that checkpoint over
+    /// this one's, while the data keeps every write this one covers, so whoever resumes from
+    /// the file would apply the records between the two again. It may be called again after
+    /// answering false, once the commit it found pending is written.
+    pub fn begin_last_commit(&self, checkpoint: &Checkpoint) -> Result<bool, FreezeError> {
+        let frozen = self.freeze(checkpoint, true);
+        self.announced
+            .store(u64::MAX, std::sync::atomic::Ordering::SeqCst);
+        frozen
+    }
+
+    /// Whether the store's last commit was begun: `begin_commit` freezes nothing any more.
+    pub fn last_commit_begun(&self) -> bool {
+        self.last_begun.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// A commit at `watermark` will freeze soon: until it has, `apply` keeps every version it
@@ -696,8 +719,13 @@ impl PersistentStore {
             .fetch_min(watermark, std::sync::atomic::Ordering::SeqCst);
     }
 
-    fn freeze(&self, checkpoint: &Checkpoint) -> Result<bool, FreezeError> {
+    fn freeze(&self, checkpoint: &Checkpoint, last: bool) -> Result<bool, FreezeError> {
         let mut pending = lock(&self.pending);
+        if last {
+            self.last_begun.store(true, std::sync::atomic::Ordering::SeqCst);
+        } else if self.last_commit_begun() {
+            return Ok(false);
+        }
         if pending.is_some() {
             return Ok(false);
         }
@@ -1392,6 +1420,36 @@ mod tests {
         assert_eq!(snapshot.checkpoint(), Some(checkpoint(0)));
         commit(&store, 1);
         assert_eq!(store.snapshot().unwrap().get(b"b").unwrap(), Some(b("2")));
+    }
+
+    /// Once the last commit has begun, a commit decided before it (at an older checkpoint)
+    /// freezes nothing, pending or written the last one; the last one itself begins again
+    /// once the commit it found pending is written, and its checkpoint stays the file's.
+    #[test]
+    fn after_the_last_commit_begins_no_other_commit_freezes() {
+        let dir = TempDir::new("last");
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        commit(&store, 2);
+        store.apply(WriteTag::Source(3), [(b("a"), Some(b("a@3")))], 0);
+        store.apply(WriteTag::Source(6), [(b("b"), Some(b("b@6")))], 0);
+        assert!(store.begin_commit(&checkpoint(4)).unwrap());
+        assert!(!store.last_commit_begun());
+        assert!(!store.begin_last_commit(&checkpoint(5)).unwrap(), "4 is pending");
+        assert!(store.last_commit_begun());
+        assert_eq!(store.finish_commit().unwrap(), Some(checkpoint(4)));
+        assert!(
+            !store.begin_commit(&checkpoint(4)).unwrap(),
+            "nothing pending, still refused"
+        );
+        assert!(store.begin_last_commit(&checkpoint(5)).unwrap());
+        assert!(!store.begin_commit(&checkpoint(4)).unwrap());
+        assert_eq!(store.finish_commit().unwrap(), Some(checkpoint(5)));
+        assert!(!store.begin_commit(&checkpoint(4)).unwrap());
+        assert_eq!(store.finish_commit().unwrap(), None);
+        let snapshot = store.snapshot().unwrap();
+        assert_eq!(snapshot.checkpoint(), Some(checkpoint(5)));
+        assert_eq!(snapshot.get(b"a").unwrap(), Some(b("a@3")));
+        assert_eq!(snapshot.get(b"b").unwrap(), None, "offset 6 is not covered");
     }
 
     /// Tagged writes: a commit takes exactly those of the records its checkpoint covers, per

@@ -220,6 +220,9 @@ pub(crate) enum FreezeResult {
     Busy,
     /// A key's writes were out of offset order: commit once the task is drained.
     OutOfOrder,
+    /// Decided before the task left, and its final commit (which covers this
+    /// one) has begun since: dropped, never written.
+    Stale,
 }
 
 /// Per pipeline: the names `make_batch` needs.
