@@ -615,8 +615,8 @@ pub(crate) fn remove_tasks(shared: &Shared, store: &str, partitions: &[u32]) -> 
                 }
                 // Dropping the task closes its store once nothing else holds it.
                 let mut closing = shared.closing.lock().unwrap_or_else(|e| e.into_inner());
-                closing.retain(|(_, store)| store.strong_count() > 0);
-                closing.push((task.id().clone(), Arc::downgrade(task.store())));
+                closing.retain(|(_, store)| store.is_open());
+                closing.push((task.id().clone(), task.store().open_watch()));
             }
             scheduler = shared.lock();
             continue;

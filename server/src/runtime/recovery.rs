@@ -34,7 +34,7 @@ fn wait_until_closed(shared: &Shared, id: &Arc<str>) -> Result<(), RuntimeError>
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .iter()
-            .any(|(task, store)| task == id && store.strong_count() > 0);
+            .any(|(task, store)| task == id && store.is_open());
         if !open {
             return Ok(());
         }

@@ -99,9 +99,10 @@ pub(crate) struct Shared {
     /// until the first assignment, and during every rebalance step.
     rebalancing: std::sync::atomic::AtomicBool,
     /// Stores of tasks that left, by task id, until the last reference to
-    /// them (a commit still being written) is gone: a task added again waits
-    /// for that before it opens its store (a file is opened once at a time).
-    pub(crate) closing: Mutex<Vec<(Arc<str>, std::sync::Weak<super::stores::TaskStore>)>>,
+    /// them (a commit still being written) is gone and the file closed: a
+    /// task added again waits for that before it opens its store (a file is
+    /// opened once at a time).
+    pub(crate) closing: Mutex<Vec<(Arc<str>, super::stores::OpenWatch)>>,
     /// Kafka mode with the group: the metadata topic's publisher and reader,
     /// set once at start before the group is joined.
     cluster: std::sync::OnceLock<Arc<super::cluster::Cluster>>,

@@ -10,11 +10,27 @@ use crate::log::Log;
 use crate::store::{Checkpoint, KeyValueStore, MemoryStore, PersistentStore, StoreError, Write, WriteTag};
 use bytes::Bytes;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 pub(crate) struct TaskStore {
     backend: Backend,
     changelog: Option<Changelog>,
+    /// Declared after `backend`, so dropped after it (fields drop in order):
+    /// gone only once the backend is, a persistent store's file closed. The
+    /// last `Arc<TaskStore>` counts zero before its drop runs, while the
+    /// database still writes its shutdown and holds the file's lock.
+    open: Arc<()>,
+}
+
+/// Whether a task's store is still open, its file included: what a task
+/// added again waits for before it opens the file (see `recovery`).
+#[derive(Clone)]
+pub(crate) struct OpenWatch(Weak<()>);
+
+impl OpenWatch {
+    pub(crate) fn is_open(&self) -> bool {
+        self.0.strong_count() > 0
+    }
 }
 
 enum Backend {
@@ -33,6 +49,7 @@ impl TaskStore {
         TaskStore {
             backend: Backend::Memory(Arc::new(MemoryStore::new())),
             changelog: None,
+            open: Arc::new(()),
         }
     }
 
@@ -44,6 +61,12 @@ impl TaskStore {
 
     pub(crate) fn changelog(&self) -> Option<&Changelog> {
         self.changelog.as_ref()
+    }
+
+    /// Tells when this store is closed: after the drop of its last `Arc`
+    /// has closed the file too.
+    pub(crate) fn open_watch(&self) -> OpenWatch {
+        OpenWatch(Arc::downgrade(&self.open))
     }
 
     /// Opens `<data_dir>/stores/<application_id>/<task_id>.redb`.
@@ -61,6 +84,7 @@ impl TaskStore {
         Ok(TaskStore {
             backend: Backend::Persistent(Arc::new(PersistentStore::open(&path)?)),
             changelog: None,
+            open: Arc::new(()),
         })
     }
 
@@ -223,5 +247,36 @@ fn changelog_error(changelog: &Changelog, error: &crate::log::LogError) -> Store
     StoreError {
         path: format!("{}-{}", changelog.topic(), changelog.partition()),
         message: format!("cannot write the changelog: {error}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scratch::scratch_dir;
+
+    /// Another thread drops the last handle of a store while this one waits
+    /// for its watch to say it is closed and then opens the file at once, as
+    /// a task added again does while a commit round lets go of the old store.
+    /// The last `Arc` counts zero before the database has closed the file: a
+    /// watch on the `Arc` itself would let the open fail ("already open").
+    #[test]
+    fn a_store_is_closed_by_its_watch_only_once_its_file_can_be_opened_again() {
+        let dir = scratch_dir("store-watch").expect("scratch dir");
+        for round in 0..20 {
+            let store = Arc::new(TaskStore::open_persistent(dir.path(), "app", "t_0").expect("open"));
+            let watch = store.open_watch();
+            let last_holder = std::thread::spawn(move || drop(store));
+            while watch.is_open() {
+                std::hint::spin_loop();
+            }
+            if let Err(e) = TaskStore::open_persistent(dir.path(), "app", "t_0") {
+                panic!(
+                    "round {round}: closed, yet the file cannot be opened: {}",
+                    e.message
+                );
+            }
+            last_holder.join().expect("the holder dropped the store");
+        }
     }
 }
