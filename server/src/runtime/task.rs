@@ -7,7 +7,8 @@
 //! - at most `threads_per_task` threads run units of the task at once;
 //! - every fetched offset is queued, held by the gate, out in a unit, or
 //!   completed — exactly one of them;
-//! - no unit starts while a commit waits for the task to be idle.
+//! - no unit starts while a commit waits for the task to be idle, nor
+//!   until that commit is frozen; one such commit is out at a time.
 //!
 //! Over 600 lines: the Task's one `impl`, in short groups (fetching, units,
 //! retries, restore, commits, removal).
@@ -105,6 +106,11 @@ enum CommitWait {
     /// every commit under exactly-once: its transaction then holds only
     /// writes of records below the offsets it commits.
     Drained,
+    /// The commit waited for is handed out and being frozen: no unit or
+    /// retry starts and no other commit of the task is handed out until it
+    /// is. A second one, frozen after units ran again, would take their
+    /// untracked writes under its older positions.
+    Freezing,
     /// Exactly-once: the commit is being written (its transaction is
     /// open): no unit, retry or fetch starts until it is.
     Writing,
@@ -468,7 +474,10 @@ impl Task {
     fn may_start_units(&self) -> bool {
         self.restore.is_none()
             && !self.removing
-            && !matches!(self.commit_wait, Some(CommitWait::Idle | CommitWait::Writing))
+            && !matches!(
+                self.commit_wait,
+                Some(CommitWait::Idle | CommitWait::Freezing | CommitWait::Writing)
+            )
     }
 
     /// Units that could start now (ignoring the thread limit).
@@ -681,7 +690,7 @@ impl Task {
     /// must not enter a transaction that does not commit its position).
     fn retries_paused(&self) -> bool {
         match self.commit_wait {
-            Some(CommitWait::Idle) => true,
+            Some(CommitWait::Idle | CommitWait::Freezing) => true,
             Some(_) => self.exactly_once,
             None => false,
         }
@@ -715,13 +724,15 @@ impl Task {
     }
 
     /// Whether the store's state is now exactly that of the records below
-    /// the watermarks, so a commit waiting for the task may freeze it. An
-    /// idle task whose completed records are not a prefix (a unit handed
-    /// back by a dead thread waits ahead of completed ones) cannot commit
-    /// untagged writes now: its wait ends, and the next round tries again.
+    /// the watermarks, so a commit waiting for the task may freeze it; if
+    /// so, the caller hands that commit out, and the task waits for it to be
+    /// frozen (`commit_frozen`). An idle task whose completed records are
+    /// not a prefix (a unit handed back by a dead thread waits ahead of
+    /// completed ones) cannot commit untagged writes now: its wait ends, and
+    /// the next round tries again.
     pub(crate) fn commit_ready(&mut self) -> bool {
         let idle = self.active == 0 && self.retry.in_progress() == 0;
-        match self.commit_wait {
+        let ready = match self.commit_wait {
             None => false,
             Some(CommitWait::Idle) if idle && self.seq.span() > self.seq.pending() => {
                 self.commit_wait = None;
@@ -729,8 +740,12 @@ impl Task {
             }
             Some(CommitWait::Idle) => idle,
             Some(CommitWait::Drained) => idle && self.seq.pending() == 0 && self.work.queued() == 0,
-            Some(CommitWait::Writing) => false,
+            Some(CommitWait::Freezing | CommitWait::Writing) => false,
+        };
+        if ready {
+            self.commit_wait = Some(CommitWait::Freezing);
         }
+        ready
     }
 
     /// The commit waiting for the task was frozen (`written`: and is being

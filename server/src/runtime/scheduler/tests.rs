@@ -368,6 +368,46 @@ fn a_removed_task_drops_what_is_queued_and_leaves_once_its_units_are_back() {
     assert_eq!(s.task_index(PIPELINE, 0), None);
 }
 
+/// An untagged persistent store (T = 1) commits while its task is idle: a
+/// round that finds the task busy leaves the commit waiting, and the unit
+/// that makes the task idle hands it out. Until that commit is frozen, a
+/// later round hands out no second one: frozen after the first had let units
+/// run again, it would take their (untracked) writes under its older
+/// watermark, and a crash before the next commit would apply them twice.
+#[test]
+fn a_commit_waiting_for_an_idle_task_is_handed_out_once_until_it_is_frozen() {
+    let dir = crate::scratch::scratch_dir("scheduler-commit").expect("scratch dir");
+    let now = Instant::now();
+    let mut s = scheduler(now);
+    s.add_thread();
+    s.add_thread();
+    let mut persistent = init(0, ProcessingOrder::Offset, 1, 0, 10);
+    persistent.store = Arc::new(TaskStore::open_persistent(dir.path(), "app", "p_0").expect("store"));
+    let t = s.add_task(persistent);
+    let log: Vec<Record> = (0..30).map(|o| record(0, o, "k")).collect();
+    let (_, unit, context) = first_unit(&mut s, 0, &log, now);
+    assert!(s.finish_unit(0, t, done(&context, &unit)).is_none());
+    let (_, unit, context) = first_unit(&mut s, 0, &log, now);
+    let round = |s: &mut Scheduler, hours: u64| {
+        let Pick::Commit { items, .. } = s.pick(1, now + Duration::from_secs(3_600 * hours), 0) else {
+            panic!("a commit round was due");
+        };
+        s.finish_commit_round(1);
+        items.iter().map(|item| item.offset).collect::<Vec<_>>()
+    };
+    assert_eq!(round(&mut s, 2), Vec::<u64>::new(), "busy: the commit waits");
+    let waiting = s.finish_unit(0, t, done(&context, &unit)).expect("idle: it goes");
+    assert_eq!(waiting.offset, 20);
+    assert_eq!(round(&mut s, 4), Vec::<u64>::new(), "that one is being frozen");
+    assert!(
+        pick_unit(&mut s, 0, &log, now).is_none(),
+        "no unit runs meanwhile"
+    );
+    s.frozen(&waiting, FreezeResult::Frozen);
+    let (_, unit, _) = first_unit(&mut s, 0, &log, now);
+    assert_eq!(unit.records[0].offset, 20, "frozen: the task goes on");
+}
+
 #[test]
 fn a_unit_is_cut_short_by_time_and_the_rest_runs_next_in_order() {
     let now = Instant::now();
