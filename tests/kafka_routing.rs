@@ -4,6 +4,8 @@
 //! partitions answer metadata, key lookups and queries for each other
 //! (forwarding, or naming the owner with `forward_queries = false`), and the
 //! client merges the record outcomes of all three (`get_metadata_async_all`).
+//! Two instances serving mutual TLS forward queries to each other over TLS
+//! (`tls_peer_ca`, each presenting its own certificate).
 
 mod common;
 
@@ -474,5 +476,203 @@ fn three_server_binaries_answer_for_each_other() {
                 assert_eq!(answer.results[0].entries[0].value, expected[key].to_string());
             }
         }
+    });
+}
+
+/// A file of the test certificates (tests/data/tls; see its make.sh), as text for the
+/// environment.
+fn tls_file(name: &str) -> String {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/tls")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+/// Two server binaries serving mutual TLS with the test certificate (for 127.0.0.1, the
+/// host they advertise) share 6 partitions; a key Query on the instance that does not
+/// hold the key is forwarded over TLS to the one that does (which requires a client
+/// certificate: the forwarding instance presents its own), and a range fans out to both.
+#[test]
+fn two_tls_instances_forward_queries_to_each_other_over_mutual_tls() {
+    let Some(broker) = broker() else { return };
+    let application = unique("routing-tls");
+    let topic = format!("{application}-events");
+    let dir = taskstream_server::scratch::scratch_dir("kafka-routing-tls").expect("a scratch dir");
+    let config = dir.path().join("taskstream.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+            application_id = "{application}"
+            num_stream_threads = 2
+            commit_interval_ms = 100
+            replication_factor = 1
+            [[topics]]
+            name = "{topic}"
+            partitions = 6
+            [[pipelines]]
+            name = "counts"
+            source_topic = "{topic}"
+            processor = "count"
+            "#
+        ),
+    )
+    .expect("write the config");
+    let (cert, key, ca) = (tls_file("server.pem"), tls_file("server.key"), tls_file("ca.pem"));
+    let env = [
+        ("TASKSTREAM_TLS_CERT", cert.as_str()),
+        ("TASKSTREAM_TLS_KEY", key.as_str()),
+        ("TASKSTREAM_TLS_CLIENT_CA", ca.as_str()),
+        ("TASKSTREAM_TLS_PEER_CA", ca.as_str()),
+    ];
+    let servers = [
+        ServerProcess::start(&config, &broker.bootstrap, &env),
+        ServerProcess::start(&config, &broker.bootstrap, &env),
+    ];
+    for server in &servers {
+        assert!(
+            server
+                .stdout
+                .iter()
+                .any(|line| line.contains("forwarding:  queries to other instances over TLS")),
+            "{:#?}",
+            server.stdout
+        );
+    }
+    let addresses: Vec<String> = servers.iter().map(|s| s.address.clone()).collect();
+    let pem = |name: &str| std::fs::read(tls_file(name)).expect("a test certificate");
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    runtime.block_on(async {
+        let mut clients = Vec::new();
+        for address in &addresses {
+            let client = StreamsClient::builder(format!("https://{address}"))
+                .ca_cert_pem(pem("ca.pem"))
+                .client_identity(pem("client.pem"), pem("client.key"))
+                .connect()
+                .await
+                .expect("connect over mutual TLS");
+            clients.push(client);
+        }
+
+        // Both instances listed by both, with disjoint partitions covering all 6.
+        let mut owners: BTreeMap<u32, String> = BTreeMap::new();
+        for (i, client) in clients.iter().enumerate() {
+            let deadline = tokio::time::Instant::now() + DEADLINE;
+            loop {
+                let listed = match client.process_metadata_for_store("counts", true).await {
+                    Ok(metadata) => metadata.metadata,
+                    Err(e) if e.is_retryable() => Vec::new(),
+                    Err(e) => panic!("ProcessMetadataForStore on instance {i}: {e}"),
+                };
+                let mut seen: BTreeMap<u32, String> = BTreeMap::new();
+                let mut disjoint = true;
+                for instance in &listed {
+                    for tp in &instance.topic_partitions {
+                        disjoint &= seen.insert(tp.partition, host_of(instance.host_info.as_ref())).is_none();
+                    }
+                }
+                let hosts: BTreeSet<String> = listed.iter().map(|m| host_of(m.host_info.as_ref())).collect();
+                let expected: BTreeSet<String> = addresses.iter().cloned().collect();
+                if disjoint && seen.len() == 6 && hosts == expected {
+                    if owners.is_empty() || owners == seen {
+                        owners = seen;
+                        break;
+                    }
+                    owners = seen;
+                    continue;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "instance {i} did not list both instances with disjoint partitions covering 6: {listed:#?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+
+        let keys: Vec<String> = (0..24).map(|i| format!("user-{i}")).collect();
+        let records = keys
+            .iter()
+            .enumerate()
+            .flat_map(|(i, key)| (0..=i % 3).map(move |_| keyed_record(key.clone(), "1")))
+            .collect();
+        clients[0].produce(&topic, records).await.expect("Produce");
+        let expected: BTreeMap<String, u64> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, key)| (key.clone(), (i % 3 + 1) as u64))
+            .collect();
+
+        // A range on each instance fans out over TLS to the other and merges all 6.
+        for (i, client) in clients.iter().enumerate() {
+            let deadline = tokio::time::Instant::now() + DEADLINE;
+            loop {
+                let request = v1::QueryRequest {
+                    store: "counts".into(),
+                    query: Some(v1::query_request::Query::Range(v1::RangeQuery::default())),
+                    ..Default::default()
+                };
+                let response = settled("range Query over TLS", || client.query(request.clone())).await;
+                assert!(response.next_page_token.is_empty(), "one page");
+                let mut partitions: Vec<u32> = response.results.iter().map(|r| r.partition).collect();
+                partitions.dedup();
+                assert_eq!(partitions, (0..6).collect::<Vec<_>>(), "every partition answered");
+                for result in &response.results {
+                    assert_eq!(
+                        host_of(result.host.as_ref()),
+                        owners[&result.partition],
+                        "partition {} answered by its owner",
+                        result.partition
+                    );
+                }
+                let counts: BTreeMap<String, u64> = response
+                    .results
+                    .iter()
+                    .flat_map(|r| &r.entries)
+                    .map(|entry| {
+                        let count = String::from_utf8_lossy(&entry.value).parse().expect("a count");
+                        (String::from_utf8_lossy(&entry.key).into_owned(), count)
+                    })
+                    .collect();
+                if counts == expected {
+                    break;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the range on instance {i} did not reach the produced counts: {counts:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+
+        // Each key asked of the instance that does not hold it: forwarded to its owner.
+        let mut forwarded_from = [0usize; 2];
+        for key in &keys {
+            let metadata = settled("MetadataForKey", || clients[0].metadata_for_key("counts", key.clone())).await;
+            let owner = host_of(metadata.active_host.as_ref());
+            let owner_index = addresses.iter().position(|a| *a == owner).expect("a listed instance");
+            let other = 1 - owner_index;
+            let request = v1::QueryRequest {
+                store: "counts".into(),
+                query: Some(v1::query_request::Query::Key(v1::KeyQuery {
+                    key: key.clone().into(),
+                })),
+                ..Default::default()
+            };
+            let answer = settled("forwarded Query over TLS", || clients[other].query(request.clone())).await;
+            assert_eq!(answer.results.len(), 1);
+            assert_eq!(host_of(answer.results[0].host.as_ref()), owner, "{key} answered by its owner");
+            assert_eq!(answer.results[0].entries[0].value, expected[key].to_string());
+            forwarded_from[other] += 1;
+        }
+        assert!(
+            forwarded_from.iter().all(|&n| n > 0),
+            "both instances forwarded some key: {forwarded_from:?}"
+        );
     });
 }

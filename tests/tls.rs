@@ -5,6 +5,8 @@
 //! client, and (with `tls_client_ca`) a client without a certificate signed by that CA all
 //! fail; with tokens as well, no token is UNAUTHENTICATED, a role too low PERMISSION_DENIED
 //! and the right role is served. The server binary refuses unusable TLS settings (exit 2).
+//! With `--metrics-tls` the binary's metrics listener serves HTTPS with the same
+//! certificate (and client CA), and plain HTTP to it gets no metrics.
 
 mod common;
 
@@ -554,4 +556,310 @@ fn the_binary_refuses_unusable_tls_settings() {
     let output = run(command, "taskstream-server with TASKSTREAM_TLS_CERT", WAIT);
     assert_eq!(output.status.code(), Some(2), "{}", output.describe());
     assert!(output.stderr.contains("tls_key"), "{}", output.describe());
+}
+
+/// The server binary on port 0, in memory, with the test certificate, `--metrics-listen
+/// 127.0.0.1:0 --metrics-tls`, `args` and `env`; killed on drop.
+struct MetricsServer {
+    child: std::process::Child,
+    /// The gRPC address, from the banner's last line.
+    addr: String,
+    /// The metrics address, from the banner's `metrics:` line.
+    metrics: String,
+    banner: Vec<String>,
+}
+
+impl MetricsServer {
+    fn start(args: &[&str], env: &[(&str, &str)]) -> MetricsServer {
+        use std::io::BufRead as _;
+        let mut command = Command::new(server_binary());
+        for (var, _) in std::env::vars() {
+            if var.starts_with("TASKSTREAM_") {
+                command.env_remove(var);
+            }
+        }
+        command
+            .args(["--listen", "127.0.0.1:0", "--in-memory"])
+            .args(["--metrics-listen", "127.0.0.1:0", "--metrics-tls"])
+            .arg("--tls-cert")
+            .arg(data("server.pem"))
+            .arg("--tls-key")
+            .arg(data("server.key"))
+            .args(args)
+            .envs(env.iter().copied())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit());
+        let mut child = command.spawn().expect("start the server binary");
+        let stdout = child.stdout.take().expect("stdout");
+        let (lines, received) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+                if lines.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        // Killed on drop, a failed start included.
+        let mut server = MetricsServer {
+            child,
+            addr: String::new(),
+            metrics: String::new(),
+            banner: Vec::new(),
+        };
+        let deadline = Instant::now() + WAIT;
+        while let Ok(line) = received.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            let addr = line.strip_prefix("taskstream listening on ").map(str::to_owned);
+            server.banner.push(line);
+            if let Some(addr) = addr {
+                server.addr = addr;
+                server.metrics = server
+                    .banner
+                    .iter()
+                    .find_map(|l| l.trim().strip_prefix("metrics:"))
+                    .and_then(|rest| rest.trim().strip_prefix("https://"))
+                    .and_then(|rest| rest.split('/').next())
+                    .map(str::to_string)
+                    .unwrap_or_else(|| panic!("no https:// metrics line in {:#?}", server.banner));
+                return server;
+            }
+        }
+        panic!("the server did not start: {:#?}", server.banner);
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `GET /metrics` over TLS to `addr`, trusting `ca` and presenting `client` (certificate,
+/// key) if given: the whole response, or why there is none.
+async fn scrape_https(addr: &str, ca: &str, client: Option<(&str, &str)>) -> Result<String, String> {
+    use rustls_pki_types::pem::PemObject as _;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio_rustls::rustls::{ClientConfig, RootCertStore};
+
+    let mut roots = RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(&pem(ca)) {
+        roots
+            .add(cert.expect("a PEM certificate"))
+            .expect("a usable CA certificate");
+    }
+    let builder = ClientConfig::builder().with_root_certificates(roots);
+    let config = match client {
+        None => builder.with_no_client_auth(),
+        Some((cert, key)) => {
+            let certs = CertificateDer::pem_slice_iter(&pem(cert))
+                .collect::<Result<Vec<_>, _>>()
+                .expect("PEM certificates");
+            let key = PrivateKeyDer::from_pem_slice(&pem(key)).expect("a PEM key");
+            builder
+                .with_client_auth_cert(certs, key)
+                .expect("a usable client certificate")
+        }
+    };
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let exchange = async {
+        let tcp = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
+        let name = ServerName::try_from("127.0.0.1").map_err(|e| e.to_string())?;
+        let mut tls = connector
+            .connect(name, tcp)
+            .await
+            .map_err(|e| format!("handshake: {e}"))?;
+        tls.write_all(b"GET /metrics HTTP/1.1\r\nhost: localhost\r\n\r\n")
+            .await
+            .map_err(|e| format!("write: {e}"))?;
+        let mut response = String::new();
+        tls.read_to_string(&mut response)
+            .await
+            .map_err(|e| format!("read: {e}"))?;
+        Ok(response)
+    };
+    tokio::time::timeout(WAIT, exchange)
+        .await
+        .unwrap_or_else(|_| Err(format!("no answer within {WAIT:?}")))
+}
+
+/// `GET /metrics` in plain HTTP: what came back before the server closed (or reset) the
+/// connection.
+fn scrape_plain(addr: &str) -> String {
+    use std::io::{Read as _, Write as _};
+    let mut socket = std::net::TcpStream::connect(addr).expect("connect to the metrics address");
+    socket.set_read_timeout(Some(WAIT)).expect("a read timeout");
+    socket
+        .write_all(b"GET /metrics HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        .expect("send the request");
+    let mut response = Vec::new();
+    let _ = socket.read_to_end(&mut response);
+    String::from_utf8_lossy(&response).into_owned()
+}
+
+/// Scrapes until the metrics show a gRPC call (a scrape right after one may come first).
+async fn scrape_until_a_call_is_counted(server: &MetricsServer, client: Option<(&str, &str)>) -> String {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let response = scrape_https(&server.metrics, "ca.pem", client)
+            .await
+            .expect("an HTTPS scrape");
+        assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
+        if response.contains("taskstream_rpc_requests_total{") {
+            return response;
+        }
+        assert!(Instant::now() < deadline, "no call counted in {response}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `--metrics-tls`: the metrics port serves HTTPS with the gRPC certificate; plain HTTP, a
+/// client that trusts another CA and a client that never starts its handshake get nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_over_https_with_the_servers_certificate() {
+    use tokio::io::AsyncReadExt as _;
+    let handshake = Duration::from_millis(1500);
+    let server = MetricsServer::start(
+        &[],
+        &[(
+            "TASKSTREAM_HANDSHAKE_TIMEOUT_MS",
+            &handshake.as_millis().to_string(),
+        )],
+    );
+    assert!(
+        server.banner.iter().any(|l| l.contains("tls:         on")),
+        "{:#?}",
+        server.banner
+    );
+    let client = StreamsClient::builder(format!("https://{}", server.addr))
+        .ca_cert_pem(pem("ca.pem"))
+        .connect()
+        .await
+        .expect("connect over TLS");
+    client.describe_runtime().await.expect("a call to count");
+
+    let response = scrape_until_a_call_is_counted(&server, None).await;
+    assert!(
+        response.contains("method=\"taskstream.v1.AdminService/DescribeRuntime\""),
+        "{response}"
+    );
+
+    // Plain HTTP: no metrics, no HTTP answer at all.
+    let plain = scrape_plain(&server.metrics);
+    assert!(!plain.starts_with("HTTP/"), "plain HTTP was answered: {plain}");
+    assert!(!plain.contains("taskstream_"), "plain HTTP got metrics: {plain}");
+    // Another CA did not sign the server's certificate.
+    let error = scrape_https(&server.metrics, "other-ca.pem", None)
+        .await
+        .expect_err("a CA that did not sign the certificate");
+    assert!(error.contains("UnknownIssuer"), "{error}");
+
+    // A connection that never starts its TLS handshake is closed after the timeout.
+    let started = Instant::now();
+    let mut silent = tokio::net::TcpStream::connect(&server.metrics)
+        .await
+        .expect("connect");
+    let mut buf = [0u8; 64];
+    let closed = tokio::time::timeout(WAIT, async {
+        while let Ok(read) = silent.read(&mut buf).await
+            && read > 0
+        {}
+    })
+    .await;
+    assert!(closed.is_ok(), "the silent connection is open after {WAIT:?}");
+    assert!(
+        started.elapsed() >= handshake,
+        "closed after {:?}, before the handshake timeout",
+        started.elapsed()
+    );
+
+    // Still serving after all of that.
+    scrape_until_a_call_is_counted(&server, None).await;
+}
+
+/// With `--tls-client-ca` the metrics port, like the gRPC port, serves only clients that
+/// present a certificate that CA signed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_metrics_require_a_client_certificate_with_a_client_ca() {
+    let ca = data_arg("ca.pem");
+    let server = MetricsServer::start(&["--tls-client-ca", &ca], &[]);
+    assert!(
+        server
+            .banner
+            .iter()
+            .any(|l| l.contains("client certificate required")),
+        "{:#?}",
+        server.banner
+    );
+    let client = StreamsClient::builder(format!("https://{}", server.addr))
+        .ca_cert_pem(pem("ca.pem"))
+        .client_identity(pem("client.pem"), pem("client.key"))
+        .connect()
+        .await
+        .expect("connect over mutual TLS");
+    client.describe_runtime().await.expect("a call to count");
+
+    scrape_until_a_call_is_counted(&server, Some(("client.pem", "client.key"))).await;
+    let without = scrape_https(&server.metrics, "ca.pem", None).await;
+    assert!(
+        !matches!(&without, Ok(response) if response.contains("taskstream_")),
+        "metrics without a client certificate: {without:?}"
+    );
+    let other = scrape_https(
+        &server.metrics,
+        "ca.pem",
+        Some(("other-client.pem", "other-client.key")),
+    )
+    .await;
+    assert!(
+        !matches!(&other, Ok(response) if response.contains("taskstream_")),
+        "metrics with another CA's client certificate: {other:?}"
+    );
+    scrape_until_a_call_is_counted(&server, Some(("client.pem", "client.key"))).await;
+}
+
+/// `--metrics-tls` without the certificate, and peer CAs that cannot be used, stop the
+/// binary with exit code 2 naming the settings; so does TLS on Kafka with forwarding on
+/// but no `tls_peer_ca`.
+#[test]
+fn the_binary_refuses_metrics_tls_and_peer_tls_without_what_they_need() {
+    let (cert, key, ca) = (data_arg("server.pem"), data_arg("server.key"), data_arg("ca.pem"));
+    let settings = ["metrics_tls", "tls_cert", "tls_key"];
+    assert_config_error(&["--metrics-tls"], &settings);
+    assert_config_error(&["--metrics-tls", "--metrics-listen", "127.0.0.1:0"], &settings);
+    let mut command = Command::new(server_binary());
+    command
+        .args(["--listen", "127.0.0.1:0", "--in-memory"])
+        .env("TASKSTREAM_METRICS_TLS", "true");
+    for var in ["TASKSTREAM_TLS_CERT", "TASKSTREAM_TLS_KEY"] {
+        command.env_remove(var);
+    }
+    let output = run(command, "taskstream-server with TASKSTREAM_METRICS_TLS", WAIT);
+    assert_eq!(output.status.code(), Some(2), "{}", output.describe());
+    for setting in settings {
+        assert!(output.stderr.contains(setting), "{}", output.describe());
+    }
+
+    assert_config_error(&["--tls-peer-ca", &ca], &["tls_peer_ca", "tls_cert"]);
+    // On Kafka (nothing connects before the settings are checked).
+    let kafka = [
+        "--bootstrap-servers",
+        "127.0.0.1:9",
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &key,
+    ];
+    assert_config_error(&kafka, &["tls_peer_ca", "forward_queries = false"]);
+    assert_config_error(
+        &[&kafka[..], &["--tls-peer-ca", "/nonexistent/peers.pem"]].concat(),
+        &["tls_peer_ca", "cannot read", "/nonexistent/peers.pem"],
+    );
+    assert_config_error(
+        &[&kafka[..], &["--tls-peer-ca", &key]].concat(),
+        &["tls_peer_ca", "holds no certificate"],
+    );
 }

@@ -53,8 +53,9 @@ struct Cli {
     #[arg(long, env = "TASKSTREAM_IN_MEMORY", conflicts_with = "data_dir")]
     in_memory: bool,
 
-    /// Serve Prometheus metrics over HTTP on this address (host:port; port 0
-    /// picks a free port), e.g. 127.0.0.1:9464. Off when absent.
+    /// Serve Prometheus metrics over HTTP (HTTPS with --metrics-tls) on this
+    /// address (host:port; port 0 picks a free port), e.g. 127.0.0.1:9464. Off
+    /// when absent.
     #[arg(long, env = "TASKSTREAM_METRICS_LISTEN", value_name = "ADDR")]
     metrics_listen: Option<String>,
 
@@ -154,6 +155,8 @@ fn load_settings(cli: &Cli, flags: &clap::ArgMatches) -> Result<Settings, Config
     }
     // Likewise the TLS files: unreadable or not PEM is exit code 2, not a failed handshake later.
     service::tls::server_tls_config(&config).map_err(|e| ConfigError::new(e.setting, e.message))?;
+    service::tls::metrics_tls(&config).map_err(|e| ConfigError::new(e.setting, e.message))?;
+    service::tls::peer_tls_config(&config).map_err(|e| ConfigError::new(e.setting, e.message))?;
     Ok(Settings {
         config,
         application_server_set,
@@ -238,10 +241,17 @@ async fn run(listen: String, metrics_listen: Option<String>, settings: Settings)
                 .with_context(|| format!("cannot serve metrics on {metrics_listen}"))?;
             let address = listener.local_addr().context("cannot read the metrics address")?;
             let handle = taskstream_server::metrics::install().map_err(anyhow::Error::msg)?;
-            tokio::spawn(taskstream_server::metrics::serve(listener, handle));
+            // Checked by load_settings already; read again here, where it is used.
+            let tls = service::tls::metrics_tls(&config)?;
+            tokio::spawn(taskstream_server::metrics::serve(listener, handle, tls));
             Some(address)
         }
-        None => None,
+        None => {
+            if config.metrics_tls {
+                tracing::warn!("metrics_tls is set but --metrics-listen is not: no metrics are served");
+            }
+            None
+        }
     };
 
     // Handlers first, so a signal right after the "listening" line is not lost.
@@ -327,8 +337,25 @@ fn print_banner(
         (_, None, _) => {}
     }
     if let Some(metrics) = metrics {
-        // Plain HTTP even with TLS on: keep it on loopback or a trusted network.
-        writeln!(out, "  metrics:     http://{metrics}/metrics (Prometheus)")?;
+        match (config.metrics_tls, &config.tls_client_ca) {
+            // Plain HTTP even with TLS on: keep it on loopback or a trusted network.
+            (false, _) => writeln!(out, "  metrics:     http://{metrics}/metrics (Prometheus)")?,
+            (true, None) => writeln!(out, "  metrics:     https://{metrics}/metrics (Prometheus)")?,
+            (true, Some(_)) => writeln!(
+                out,
+                "  metrics:     https://{metrics}/metrics (Prometheus; client certificate required)"
+            )?,
+        }
+    }
+    if config.bootstrap_servers.is_some() && config.forward_queries {
+        match &config.tls_peer_ca {
+            Some(ca) if config.tls_cert.is_some() => writeln!(
+                out,
+                "  forwarding:  queries to other instances over TLS, their certificates signed by {}",
+                ca.display()
+            )?,
+            _ => writeln!(out, "  forwarding:  queries to other instances over plain HTTP/2")?,
+        }
     }
     match (&config.bootstrap_servers, &config.data_dir) {
         (Some(servers), dir) => {

@@ -669,6 +669,13 @@ pub struct Config {
     /// CA certificates (PEM): with it, every client must present a certificate they signed
     /// (mutual TLS). Needs `tls_cert` and `tls_key`.
     pub tls_client_ca: Option<PathBuf>,
+    /// CA certificates (PEM) that signed the other instances' certificates: on Kafka, with
+    /// `tls_cert`, queries are forwarded to them over TLS and their certificates checked
+    /// against these. Needed there while `forward_queries` is on; needs `tls_cert`.
+    pub tls_peer_ca: Option<PathBuf>,
+    /// The metrics listener (`--metrics-listen`) serves HTTPS with `tls_cert` and `tls_key`
+    /// instead of plain HTTP; with `tls_client_ca`, scrapers must present a certificate too.
+    pub metrics_tls: bool,
     /// Serve gRPC server reflection (grpcurl without a .proto).
     pub reflection: bool,
 }
@@ -793,6 +800,8 @@ impl Default for Config {
             tls_cert: None,
             tls_key: None,
             tls_client_ca: None,
+            tls_peer_ca: None,
+            metrics_tls: false,
             reflection: true,
         }
     }
@@ -1182,6 +1191,22 @@ pub const SETTINGS: &[Setting] = &[
         "Require client certificates signed by these CAs (PEM): mutual TLS; needs --tls-cert."
     ),
     setting!(
+        tls_peer_ca,
+        Some("tls-peer-ca"),
+        "FILE",
+        parse_dir,
+        "On Kafka with --tls-cert: forward queries to the other instances over TLS, trusting the \
+         certificates these CAs (PEM) signed; needed while forward_queries is on."
+    ),
+    setting!(
+        metrics_tls,
+        Some("metrics-tls"),
+        SWITCH,
+        parse_bool,
+        "Serve --metrics-listen over HTTPS with --tls-cert and --tls-key (and, with --tls-client-ca, \
+         require scrapers' client certificates)."
+    ),
+    setting!(
         reflection,
         Some("reflection"),
         SWITCH,
@@ -1519,9 +1544,12 @@ impl Config {
             .any(|p| p.sink_topic.as_deref() == Some(topic))
     }
 
-    /// The TLS settings go together: a certificate and its key, and a client CA only with
-    /// both. Whether the files can be used is checked where they are read
-    /// (`service::tls`), as reading is not this function's business.
+    /// The TLS settings go together: a certificate and its key, and a client CA, a peer CA
+    /// or HTTPS metrics only with both. On Kafka, an instance that serves TLS and forwards
+    /// queries needs `tls_peer_ca`: its peers serve TLS too (the instances of an application
+    /// share their settings), and forwarding must not trust whatever answers. Whether the
+    /// files can be used is checked where they are read (`service::tls`), as reading is not
+    /// this function's business.
     fn validate_tls(&self) -> Result<(), ConfigError> {
         match (&self.tls_cert, &self.tls_key) {
             (Some(_), None) => Err(ConfigError::new(
@@ -1539,6 +1567,27 @@ impl Config {
                 "is set but tls_cert is not: client certificates are checked only over TLS; set \
                  tls_cert and tls_key too",
             )),
+            (None, None) if self.tls_peer_ca.is_some() => Err(ConfigError::new(
+                "tls_peer_ca",
+                "is set but tls_cert is not: queries go to the other instances over TLS only when \
+                 this one serves TLS; set tls_cert and tls_key too",
+            )),
+            (None, None) if self.metrics_tls => Err(ConfigError::new(
+                "metrics_tls",
+                "is true but tls_cert and tls_key are not set: the metrics listener serves HTTPS \
+                 with the gRPC certificate; set tls_cert and tls_key too",
+            )),
+            (Some(_), Some(_))
+                if self.bootstrap_servers.is_some() && self.forward_queries && self.tls_peer_ca.is_none() =>
+            {
+                Err(ConfigError::new(
+                    "tls_peer_ca",
+                    "is not set, but this instance serves TLS (tls_cert) on Kafka and forwards \
+                     queries to the other instances (forward_queries = true), which serve TLS too: \
+                     set tls_peer_ca to the CA that signed the instances' certificates, or set \
+                     forward_queries = false",
+                ))
+            }
             _ => Ok(()),
         }
     }
@@ -2617,5 +2666,76 @@ mod tests {
         let toml = Config::from_toml_str("tls_cert = \"c.pem\"\ntls_key = \"k.pem\"\n").unwrap();
         assert_eq!(toml.tls_cert, Some(PathBuf::from("c.pem")));
         assert_eq!(toml.tls_key, Some(PathBuf::from("k.pem")));
+    }
+
+    /// HTTPS metrics and a peer CA need the certificate; on Kafka a TLS instance that
+    /// forwards queries needs the peer CA, and one that forwards nothing does not.
+    #[test]
+    fn metrics_tls_and_the_peer_ca_need_the_certificate() {
+        let base = Config::embedded_default();
+        let tls = Config {
+            tls_cert: Some(PathBuf::from("server.pem")),
+            tls_key: Some(PathBuf::from("server.key")),
+            ..base.clone()
+        };
+        let err = Config {
+            metrics_tls: true,
+            ..base.clone()
+        }
+        .validate()
+        .unwrap_err();
+        assert_eq!(err.setting, "metrics_tls", "{err}");
+        assert!(
+            err.message.contains("tls_cert") && err.message.contains("tls_key"),
+            "{err}"
+        );
+        Config {
+            metrics_tls: true,
+            ..tls.clone()
+        }
+        .validate()
+        .unwrap();
+
+        let err = Config {
+            tls_peer_ca: Some(PathBuf::from("ca.pem")),
+            ..base.clone()
+        }
+        .validate()
+        .unwrap_err();
+        assert_eq!(err.setting, "tls_peer_ca", "{err}");
+        assert!(err.message.contains("tls_cert"), "{err}");
+
+        let kafka = Config {
+            bootstrap_servers: Some("127.0.0.1:9092".into()),
+            ..tls.clone()
+        };
+        let err = kafka.validate().unwrap_err();
+        assert_eq!(err.setting, "tls_peer_ca", "{err}");
+        assert!(err.message.contains("forward_queries = false"), "{err}");
+        Config {
+            tls_peer_ca: Some(PathBuf::from("ca.pem")),
+            ..kafka.clone()
+        }
+        .validate()
+        .unwrap();
+        Config {
+            forward_queries: false,
+            ..kafka.clone()
+        }
+        .validate()
+        .unwrap();
+        // Off Kafka nothing is forwarded: TLS alone is enough.
+        tls.validate().unwrap();
+
+        let mut config = base.clone();
+        config
+            .apply_env(|var| match var {
+                "TASKSTREAM_METRICS_TLS" => Some("true".into()),
+                "TASKSTREAM_TLS_PEER_CA" => Some("/etc/ts/peers.pem".into()),
+                _ => None,
+            })
+            .unwrap();
+        assert!(config.metrics_tls);
+        assert_eq!(config.tls_peer_ca, Some(PathBuf::from("/etc/ts/peers.pem")));
     }
 }

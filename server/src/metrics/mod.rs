@@ -4,12 +4,14 @@
 //! subscribers, storage errors, and gRPC calls by method and code
 //! (`service::RpcTelemetryLayer`). The runtime
 //! only records (a no-op without a recorder); the binary installs the
-//! Prometheus recorder and serves `GET /metrics` (`serve`).
+//! Prometheus recorder and serves `GET /metrics` (`serve`), over HTTPS with
+//! `metrics_tls`.
 
 use crate::service::AcceptBackoff;
+use crate::service::tls::MetricsTls;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
 use tokio::net::TcpListener;
 
 pub const RECORDS: &str = "taskstream_records_total";
@@ -169,28 +171,43 @@ pub fn install() -> Result<PrometheusHandle, String> {
 }
 
 /// Serves the metrics in Prometheus' text format to every HTTP request on
-/// `listener` (any path) until the future is dropped. One small response per
-/// connection, so plain HTTP/1.x is all it needs. A failing accept (no fd left) waits
-/// and is logged as the gRPC listener's does (`AcceptBackoff`).
-pub async fn serve(listener: TcpListener, handle: PrometheusHandle) {
+/// `listener` (any path) until the future is dropped; over HTTPS with `tls`
+/// (`metrics_tls`: a connection whose TLS handshake fails or does not finish within
+/// the handshake timeout, plain HTTP included, is dropped unanswered). One small
+/// response per connection, so plain HTTP/1.x is all it needs. A failing accept (no
+/// fd left) waits and is logged as the gRPC listener's does (`AcceptBackoff`).
+pub async fn serve(listener: TcpListener, handle: PrometheusHandle, tls: Option<MetricsTls>) {
     let mut backoff = AcceptBackoff::new("metrics");
     loop {
-        let (mut socket, _) = backoff.accept(&listener).await;
+        let (socket, peer) = backoff.accept(&listener).await;
         let handle = handle.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
-            // The request itself does not matter: read what arrived, answer, close.
-            let mut request = [0u8; 2048];
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), socket.read(&mut request)).await;
-            let body = handle.render();
-            let response = format!(
-                "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\n\
-                 connection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = socket.write_all(response.as_bytes()).await;
-            let _ = socket.shutdown().await;
+            match tls {
+                None => respond(socket, &handle).await,
+                Some(tls) => match tls.accept(socket).await {
+                    Ok(stream) => respond(stream, &handle).await,
+                    // A scraper with the wrong CA, or a port scan: nothing for the operator
+                    // to act on at info, and a client may try as often as it likes.
+                    Err(error) => tracing::debug!(%peer, %error, "metrics: TLS handshake failed"),
+                },
+            }
         });
     }
+}
+
+/// Reads what arrived of the request (it does not matter), answers the metrics, closes.
+async fn respond<S: AsyncRead + AsyncWrite + Unpin>(mut socket: S, handle: &PrometheusHandle) {
+    let mut request = [0u8; 2048];
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), socket.read(&mut request)).await;
+    let body = handle.render();
+    let response = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\n\
+         connection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = socket.write_all(response.as_bytes()).await;
+    let _ = socket.shutdown().await;
 }
 
 /// Counts a batch's outcomes for `pipeline` and its task `task`.

@@ -1,6 +1,8 @@
 //! Queries forwarded to the instance that holds their partitions (Kafka
 //! mode): one lazily connected channel per peer, reused by every call, each
-//! call bounded by `FORWARD_TIMEOUT`. A forwarded request always carries
+//! call bounded by `FORWARD_TIMEOUT`; over TLS when this instance serves TLS
+//! (`tls::peer_tls_config`: the peer's certificate checked against
+//! `tls_peer_ca` for its advertised host, this instance's certificate offered). A forwarded request always carries
 //! `local_only = true`, so an instance whose view is out of date answers
 //! PARTITION_NOT_HOSTED instead of forwarding again (no loops). Failures are
 //! `ServiceError`s; `status` turns them into what the client sees.
@@ -16,7 +18,7 @@ use std::time::Duration;
 use taskstream::v1 as pb;
 use taskstream::v1::streams_service_client::StreamsServiceClient;
 use tonic::Code;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
 /// Longest wait for a peer's answer to one forwarded query.
 const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
@@ -32,9 +34,19 @@ const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 pub struct Peers {
     /// By `host:port`. A channel reconnects by itself, so entries are kept.
     clients: Mutex<HashMap<String, StreamsServiceClient<Channel>>>,
+    /// `None`: plain HTTP/2 (this instance, like its peers, serves plain text).
+    tls: Option<ClientTlsConfig>,
 }
 
 impl Peers {
+    /// Peers reached over TLS with `tls`, or over plain HTTP/2 without.
+    pub fn new(tls: Option<ClientTlsConfig>) -> Peers {
+        Peers {
+            clients: Mutex::default(),
+            tls,
+        }
+    }
+
     /// Sends `request` to `owner` with `local_only` set, and the caller's
     /// `authorization` (its bearer token, which the owner checks as this
     /// instance did); answers its page (each result naming the host that answered).
@@ -83,11 +95,18 @@ impl Peers {
         if let Some(client) = clients.get(host) {
             return Ok(client.clone());
         }
-        let channel = Endpoint::from_shared(format!("http://{host}"))
-            .map_err(|e| ServiceError::PeerUnreachable {
-                host: host.to_string(),
-                reason: format!("not a usable address: {e}"),
-            })?
+        let unusable = |e: tonic::transport::Error| ServiceError::PeerUnreachable {
+            host: host.to_string(),
+            reason: format!("not a usable address: {e}"),
+        };
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{host}")).map_err(unusable)?;
+        if let Some(tls) = &self.tls {
+            // The server name checked against the peer's certificate is the host it
+            // advertises (`application_server`), taken from the address.
+            endpoint = endpoint.tls_config(tls.clone()).map_err(unusable)?;
+        }
+        let channel = endpoint
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(FORWARD_TIMEOUT)
             .tcp_nodelay(true)
@@ -293,6 +312,110 @@ mod tests {
             peers.clients.lock().unwrap().len(),
             1,
             "the channel is kept for later calls"
+        );
+    }
+
+    /// A file of the test certificates in tests/data/tls (see its make.sh).
+    fn test_cert(name: &str) -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/data/tls")
+            .join(name)
+    }
+
+    fn tls_config(client_ca: Option<&str>, peer_ca: Option<&str>) -> crate::config::Config {
+        crate::config::Config {
+            tls_cert: Some(test_cert("server.pem")),
+            tls_key: Some(test_cert("server.key")),
+            tls_client_ca: client_ca.map(test_cert),
+            tls_peer_ca: peer_ca.map(test_cert),
+            ..crate::config::Config::embedded_default()
+        }
+    }
+
+    /// A peer that serves only health over TLS with the test certificate, on every
+    /// address, requiring client certificates that `client_ca` signed: a Query that gets
+    /// through TLS is answered UNIMPLEMENTED by it. Answers its port.
+    async fn tls_peer(client_ca: &str) -> u16 {
+        let tls = super::super::tls::server_tls_config(&tls_config(Some(client_ca), None))
+            .expect("the test certificates")
+            .expect("TLS");
+        let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (_, health) = tonic_health::server::health_reporter();
+        let server = tonic::transport::Server::builder()
+            .tls_config(tls)
+            .expect("a TLS server")
+            .add_service(health)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+        tokio::spawn(server);
+        port
+    }
+
+    fn tls_peers(peer_ca: &str) -> Peers {
+        let tls = super::super::tls::peer_tls_config(&tls_config(None, Some(peer_ca)))
+            .expect("the test certificates");
+        assert!(tls.is_some(), "TLS to peers with tls_cert and tls_peer_ca");
+        Peers::new(tls)
+    }
+
+    async fn ask(peers: &Peers, host: &str, port: u16) -> ServiceError {
+        let owner = HostInfo {
+            host: host.into(),
+            port,
+        };
+        peers
+            .query(&owner, pb::QueryRequest::default(), None)
+            .await
+            .expect_err("the peer serves no StreamsService")
+    }
+
+    /// `error` is PeerUnreachable, its reason holding `says` (rustls' words, passed on).
+    fn assert_unreachable(error: ServiceError, what: &str, says: &str) {
+        match error {
+            ServiceError::PeerUnreachable { reason, .. } => {
+                assert!(reason.contains(says), "{what}: `{says}` not in `{reason}`");
+            }
+            other => panic!("{what}: expected PeerUnreachable, got {other:?}"),
+        }
+    }
+
+    /// Forwarding over TLS reaches a peer that requires client certificates (this
+    /// instance's own is offered) and whose certificate `tls_peer_ca` signed for the host
+    /// asked; a peer signed by another CA, a host its certificate does not name, plain
+    /// HTTP/2, and a peer that trusts another client CA are all unreachable.
+    #[tokio::test]
+    async fn forwarding_over_tls_checks_the_peer_and_presents_this_instances_certificate() {
+        let port = tls_peer("ca.pem").await;
+        match ask(&tls_peers("ca.pem"), "127.0.0.1", port).await {
+            ServiceError::Peer { code, .. } => assert_eq!(code, Code::Unimplemented),
+            other => panic!("expected the peer's own answer, got {other:?}"),
+        }
+        // The name in the certificate is checked too: `localhost` is in it.
+        match ask(&tls_peers("ca.pem"), "localhost", port).await {
+            ServiceError::Peer { code, .. } => assert_eq!(code, Code::Unimplemented),
+            other => panic!("expected the peer's own answer, got {other:?}"),
+        }
+        assert_unreachable(
+            ask(&tls_peers("other-ca.pem"), "127.0.0.1", port).await,
+            "a peer CA that did not sign the peer's certificate",
+            "UnknownIssuer",
+        );
+        // The same listener on another loopback address, which the certificate does not name.
+        assert_unreachable(
+            ask(&tls_peers("ca.pem"), "127.0.0.2", port).await,
+            "a host the peer's certificate does not name",
+            "not valid for name \"127.0.0.2\"",
+        );
+        assert_unreachable(
+            ask(&Peers::default(), "127.0.0.1", port).await,
+            "plain HTTP/2 to a TLS peer",
+            "transport error",
+        );
+        let strict = tls_peer("other-ca.pem").await;
+        assert_unreachable(
+            ask(&tls_peers("ca.pem"), "127.0.0.1", strict).await,
+            "a peer whose client CA did not sign this instance's certificate",
+            "transport error",
         );
     }
 }

@@ -1,6 +1,7 @@
 //! The gRPC service: [`serve`] runs `StreamsService`, `AdminService`,
 //! `grpc.health.v1` and server reflection (v1 and v1alpha) over one `StreamsApp`
-//! (over TLS when `tls_cert` is set, see `tls`),
+//! (over TLS when `tls_cert` is set, see `tls`, which also secures the metrics
+//! listener and forwarded queries),
 //! and on shutdown drains the app and commits its watermarks. Handlers are a thin
 //! translation (`request` in, `convert` out; `forward` asks the instance holding
 //! a partition, in Kafka mode; `listener` accepts connections under their cap and
@@ -137,6 +138,8 @@ pub async fn serve(
     if tls.is_none() && tokens.is_some() {
         tracing::warn!("auth_tokens without tls_cert: tokens cross the network in clear text");
     }
+    // And how queries reach the other instances (Kafka): over TLS when this one serves it.
+    let peer_tls = tls::peer_tls_config(app.config())?;
     let behind_tls = tls.is_some();
     let builder = match tls {
         Some(tls) => Server::builder().tls_config(tls)?,
@@ -174,7 +177,7 @@ pub async fn serve(
             .add_optional_service(reflection_v1)
             .add_optional_service(reflection_v1alpha)
             .add_service(
-                StreamsServiceServer::new(StreamsHandler::new(app.clone()))
+                StreamsServiceServer::new(StreamsHandler::with_peer_tls(app.clone(), peer_tls))
                     .max_decoding_message_size(max_message)
                     .max_encoding_message_size(max_message),
             )

@@ -22,6 +22,7 @@ use tokio::sync::Semaphore;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::ClientTlsConfig;
 use tonic::{Request, Response, Status, Streaming};
 
 /// Serves `StreamsService` over one running `StreamsApp`.
@@ -42,12 +43,19 @@ struct QueryPlan {
 }
 
 impl StreamsHandler {
+    /// A handler that forwards queries to other instances over plain HTTP/2.
     pub fn new(app: StreamsApp) -> Self {
+        StreamsHandler::with_peer_tls(app, None)
+    }
+
+    /// A handler that forwards queries to other instances over TLS with `peer_tls`
+    /// (`tls::peer_tls_config`), or over plain HTTP/2 without.
+    pub fn with_peer_tls(app: StreamsApp, peer_tls: Option<ClientTlsConfig>) -> Self {
         let subscribers = Arc::new(Semaphore::new(app.config().max_subscribers));
         StreamsHandler {
             app,
             subscribers,
-            peers: Arc::new(Peers::default()),
+            peers: Arc::new(Peers::new(peer_tls)),
         }
     }
 

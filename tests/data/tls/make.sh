@@ -2,7 +2,9 @@
 # Makes the throwaway test certificates of tests/tls.rs (run once; the output is committed).
 # EC P-256 keys (PKCS#8), valid for 100 years. NOT secrets: never use them for anything real.
 #   ca.pem          test CA: signs server.pem and client.pem
-#   server.pem/key  server certificate for localhost, 127.0.0.1 and ::1 (serverAuth)
+#   server.pem/key  server certificate for localhost, 127.0.0.1 and ::1 (serverAuth, and
+#                   clientAuth: an instance offers it as its client identity when it
+#                   forwards a query to another instance that requires client certificates)
 #   client.pem/key  client certificate "taskstream-test-client" (clientAuth)
 #   other-ca.pem    another CA, trusted by no one here; signs other-client.pem/key
 set -eu
@@ -26,7 +28,7 @@ ca ca "taskstream test CA"
 ca other-ca "taskstream other test CA"
 leaf server localhost ca "basicConstraints=critical,CA:FALSE
 keyUsage=critical,digitalSignature
-extendedKeyUsage=serverAuth
+extendedKeyUsage=serverAuth,clientAuth
 subjectAltName=DNS:localhost,IP:127.0.0.1,IP:::1"
 leaf client taskstream-test-client ca "basicConstraints=critical,CA:FALSE
 keyUsage=critical,digitalSignature
