@@ -15,7 +15,7 @@ use super::retry_queue::RetryQueue;
 use super::shared::Shared;
 use super::stores::TaskStore;
 use super::task::{Restore, TaskInit};
-use super::work::Gating;
+use super::work::{Gating, HoldLimits};
 use crate::config::{ProcessingOrder, RetryPolicy, StoreKind};
 use crate::store::Checkpoint;
 use std::sync::Arc;
@@ -167,6 +167,7 @@ pub(crate) fn plan(
         sink_topic: p.sink.as_ref().map(|sink| sink.topic.clone()),
         max_batch_records: config.max_batch_records,
         max_in_flight_records: config.max_in_flight_records,
+        hold: HoldLimits::new(config.max_in_flight_records, config.retry_backoff_ms),
         outcome_retention_records: config.outcome_retention_records,
         transaction,
     })

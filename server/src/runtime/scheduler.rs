@@ -27,8 +27,11 @@ pub(crate) use types::{
 };
 use types::{Lease, Life};
 
-/// A thread takes due retry work before its own after this many units, so
-/// retries drain even when no thread is in reserve, and new records keep flowing.
+/// A thread takes due retry work, or reads new entries of a retry topic,
+/// before its own after this many units, so retries drain even when no thread
+/// is in reserve, and new records keep flowing. (In `key` order a key waits
+/// for its retries, so a retry read left until threads are idle would hold
+/// back its later records too, and fill the hold budget.)
 const RETRY_SHARE: u32 = 4;
 
 /// The longest a thread waits with nothing to do before it looks again (a
@@ -420,10 +423,13 @@ impl Scheduler {
                 };
             }
         }
-        if self.threads[me].units_since_retry >= RETRY_SHARE
-            && let Some(pick) = self.pick_retry(me, now, now_ms)
-        {
-            return pick;
+        if self.threads[me].units_since_retry >= RETRY_SHARE {
+            if let Some(pick) = self.pick_retry(me, now, now_ms) {
+                return pick;
+            }
+            if let Some(pick) = self.retry_fetch(me) {
+                return pick;
+            }
         }
         let start = if n == 0 { 0 } else { self.threads[me].cursor % n };
         for i in 0..n {
@@ -439,11 +445,11 @@ impl Scheduler {
         // Help: the task whose startable work most exceeds its threads.
         let best = self
             .tasks()
-            .filter(|(_, t)| t.has_room() && t.startable_units() > 0)
-            .max_by_key(|(_, t)| t.startable_units())
+            .filter(|(_, t)| t.has_room() && t.startable_units(now) > 0)
+            .max_by_key(|(_, t)| t.startable_units(now))
             .map(|(i, _)| i);
         if let Some(t) = best
-            && let Some(pick) = self.take_unit(me, t)
+            && let Some(pick) = self.take_unit(me, t, now)
         {
             return pick;
         }
@@ -452,18 +458,8 @@ impl Scheduler {
         if let Some(t) = fetchable {
             return self.fetch(me, t);
         }
-        let retry_fetch = (0..n).find_map(|t| {
-            let task = self.tasks[t].as_mut()?;
-            task.start_retry_fetch().map(|fetch| (t, fetch))
-        });
-        if let Some((t, (from, max, generation))) = retry_fetch {
-            return Pick::RetryFetch {
-                task: t,
-                from,
-                max,
-                generation,
-                context: self.context(t, me),
-            };
+        if let Some(pick) = self.retry_fetch(me) {
+            return pick;
         }
         if let Some(pick) = self.pick_retry(me, now, now_ms) {
             return pick;
@@ -471,8 +467,24 @@ impl Scheduler {
         Pick::Wait(self.wait_time(now, now_ms))
     }
 
+    /// A read of some task's retry partition, where new entries wait there.
+    fn retry_fetch(&mut self, me: usize) -> Option<Pick> {
+        let (t, (from, max, generation)) = (0..self.tasks.len()).find_map(|t| {
+            let task = self.tasks[t].as_mut()?;
+            task.start_retry_fetch().map(|fetch| (t, fetch))
+        })?;
+        Some(Pick::RetryFetch {
+            task: t,
+            from,
+            max,
+            generation,
+            context: self.context(t, me),
+        })
+    }
+
     /// How long a thread with nothing to do may wait: until the next commit,
-    /// the next retry due, or the next fetch allowed after a failure.
+    /// the next retry due, the next fetch allowed after a failure, or the end
+    /// of a pause of held records (`work::HoldLimits`).
     fn wait_time(&self, now: Instant, now_ms: i64) -> Duration {
         let until_commit = self.next_commit_at.saturating_duration_since(now);
         let until_retry = self
@@ -487,23 +499,29 @@ impl Scheduler {
             .filter_map(|(_, t)| t.fetch_after())
             .min()
             .map_or(Duration::MAX, |at| at.saturating_duration_since(now));
+        let until_unpaused = self
+            .tasks()
+            .filter_map(|(_, t)| t.pause_ends_at())
+            .min()
+            .map_or(Duration::MAX, |at| at.saturating_duration_since(now));
         until_commit
             .min(until_retry)
             .min(until_fetch)
+            .min(until_unpaused)
             .clamp(Duration::from_millis(1), MAX_WAIT)
     }
 
     fn try_own_task(&mut self, me: usize, t: usize, now: Instant) -> Option<Pick> {
         let task = self.task(t)?;
-        if task.can_fetch(now) && task.startable_units() < task.threads_per_task() {
+        if task.can_fetch(now) && task.startable_units(now) < task.threads_per_task() {
             return Some(self.fetch(me, t));
         }
-        self.take_unit(me, t)
+        self.take_unit(me, t, now)
     }
 
-    fn take_unit(&mut self, me: usize, t: usize) -> Option<Pick> {
+    fn take_unit(&mut self, me: usize, t: usize, now: Instant) -> Option<Pick> {
         let context = self.context(t, me);
-        let unit = self.task_mut(t).take_unit()?;
+        let unit = self.task_mut(t).take_unit(now)?;
         self.threads[me].units_since_retry += 1;
         Some(Pick::Unit {
             task: t,
@@ -536,7 +554,7 @@ impl Scheduler {
         if on_retry > 0 {
             let source_work = self
                 .tasks()
-                .any(|(_, t)| t.startable_units() > 0 || t.can_fetch(now));
+                .any(|(_, t)| t.startable_units(now) > 0 || t.can_fetch(now));
             if source_work && on_retry >= (self.live_threads() / 2).max(1) {
                 return None;
             }

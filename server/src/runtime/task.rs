@@ -21,7 +21,7 @@ use super::sequencer::Sequencer;
 use super::sink::{SinkHold, SinkQueue};
 use super::stores::TaskStore;
 use super::subscription::History;
-use super::work::{Gating, WorkQueue, WorkUnit};
+use super::work::{Gating, HoldLimits, WorkQueue, WorkUnit};
 use crate::config::ProcessingOrder;
 use crate::log::{ProducerRecord, Record};
 use crate::metadata::{Outcome, OutcomeBatch, RecordOutcome};
@@ -134,6 +134,8 @@ pub(crate) struct TaskInit {
     pub(crate) sink_topic: Option<Arc<str>>,
     pub(crate) max_batch_records: usize,
     pub(crate) max_in_flight_records: usize,
+    /// `key` order: later records of gated keys held in memory.
+    pub(crate) hold: HoldLimits,
     pub(crate) outcome_retention_records: usize,
     /// The task's transactional id when commits are Kafka transactions
     /// (`exactly_once_v2`).
@@ -202,7 +204,7 @@ impl Task {
             init.gating,
             init.threads_per_task,
             init.max_batch_records,
-            init.max_in_flight_records / 2,
+            init.hold,
         );
         for key in &init.gated_keys {
             work.gate_key(key);
@@ -446,6 +448,11 @@ impl Task {
         }
     }
 
+    /// When lanes waiting for the hold budget go on regardless (`work::HoldLimits`).
+    pub(crate) fn pause_ends_at(&self) -> Option<Instant> {
+        self.work.pause_ends_at()
+    }
+
     /// When a fetch held back by its backoff may run again.
     pub(crate) fn fetch_after(&self) -> Option<Instant> {
         self.fetch_after
@@ -481,9 +488,9 @@ impl Task {
     }
 
     /// Units that could start now (ignoring the thread limit).
-    pub(crate) fn startable_units(&self) -> usize {
+    pub(crate) fn startable_units(&self, now: Instant) -> usize {
         if self.may_start_units() {
-            self.work.startable_units()
+            self.work.startable_units(now)
         } else {
             0
         }
@@ -494,11 +501,11 @@ impl Task {
     }
 
     /// Takes the next unit, if the thread limit and the task's state allow one.
-    pub(crate) fn take_unit(&mut self) -> Option<WorkUnit> {
+    pub(crate) fn take_unit(&mut self, now: Instant) -> Option<WorkUnit> {
         if !self.has_room() || !self.may_start_units() {
             return None;
         }
-        let unit = self.work.take_unit()?;
+        let unit = self.work.take_unit(now)?;
         self.active += 1;
         Some(unit)
     }

@@ -5,11 +5,12 @@
 //! unit at a time), so records of one key never run at once and run in offset
 //! order. The key gate lives here too: keys with a record on the retry path,
 //! whose later records wait behind it — parked on the retry topic, or, in
-//! `key` order, held here in memory up to a budget.
+//! `key` order, held here in memory up to a budget (see [`HoldLimits`]).
 
 use crate::log::Record;
 use bytes::Bytes;
 use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
 
 /// A fetch is cut into this many ranges per thread of the task, so the tail
 /// of a fetch is shared by every thread instead of left to a few long ranges.
@@ -27,6 +28,64 @@ const MAX_LANES: usize = 4096;
 /// drains units shrink and the last ones are shared by every thread.
 const TAIL_SHARE: usize = 4;
 
+/// A pause of the held budget never lasts less than this, so a retry path
+/// slowed by a moment's load (a fetch, a descheduled thread) is waited out.
+const MIN_HOLD_PAUSE: Duration = Duration::from_millis(50);
+
+/// Nor more than this: past it the retry path is slow for good (long
+/// backoffs), and the records park on the retry topic instead.
+const MAX_HOLD_PAUSE: Duration = Duration::from_secs(1);
+
+/// After a pause ran out, none starts again for this many pause lengths, so
+/// pauses hold up a partition for at most 1 / (1 + this) of the time.
+const PAUSE_COOLDOWN: u32 = 10;
+
+/// `key` order: how many later records of gated keys are held in memory, and
+/// what happens past that many.
+///
+/// A record parked on the retry topic keeps its key gated until it comes back
+/// round; while the budget is spent every later record of a gated key would
+/// park too, which keeps more keys gated longer, so under a busy retry path
+/// parking feeds itself until most records take the detour. So past the
+/// budget a lane whose next record is of a gated key pauses instead (other
+/// lanes run on; fetching stops once `max_in_flight_records` are unfinished),
+/// until retries open keys and free the budget, or `pause` runs out. Only then
+/// do records park, and no pause starts again for `PAUSE_COOLDOWN` pauses, so
+/// a slow retry path never stalls the partition for long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct HoldLimits {
+    /// Records the gate holds in memory at most.
+    pub(crate) budget: usize,
+    /// The longest a pause lasts.
+    pub(crate) pause: Duration,
+}
+
+impl HoldLimits {
+    /// Half of the task's `max_in_flight_records` (the other half keeps
+    /// records flowing), and a pause of twice the first retry's backoff: a
+    /// key gated by one failure opens within about that.
+    pub(crate) fn new(max_in_flight_records: usize, retry_backoff_ms: u64) -> HoldLimits {
+        HoldLimits {
+            budget: max_in_flight_records / 2,
+            pause: Duration::from_millis(retry_backoff_ms.saturating_mul(2))
+                .clamp(MIN_HOLD_PAUSE, MAX_HOLD_PAUSE),
+        }
+    }
+}
+
+/// Where the hold budget stands (see [`HoldLimits`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HoldPause {
+    /// Gated records are held while the budget lasts.
+    None,
+    /// The budget ran out at this instant: lanes whose next record is of a
+    /// gated key wait, until the budget has room or the pause runs out.
+    Since(Instant),
+    /// The pause ran out at this instant: past the budget records park, and
+    /// no pause starts before the cooldown ends.
+    Over(Instant),
+}
+
 /// How records whose key waits behind a record on the retry path are kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Gating {
@@ -35,7 +94,7 @@ pub(crate) enum Gating {
     /// They are parked on the retry topic, behind the failed record (`offset`
     /// order, where holding a record would hold every later outcome too).
     Park,
-    /// They are held here in memory up to the budget, parked beyond it (`key`).
+    /// They are held here in memory up to a budget (`key`, see [`HoldLimits`]).
     Hold,
 }
 
@@ -88,8 +147,8 @@ pub(crate) struct WorkQueue {
     queued: usize,
     gate: KeyGate,
     gating: Gating,
-    /// Records the gate may hold before keys are parked on the retry topic.
-    hold_budget: usize,
+    hold: HoldLimits,
+    pause: HoldPause,
     threads_per_task: usize,
     max_batch_records: usize,
     /// Lanes: take the lane whose first record is oldest (outcomes are released
@@ -105,7 +164,7 @@ impl WorkQueue {
         gating: Gating,
         threads_per_task: usize,
         max_batch_records: usize,
-        hold_budget: usize,
+        hold: HoldLimits,
     ) -> WorkQueue {
         let units = if lanes {
             let count = (threads_per_task * LANES_PER_THREAD).min(MAX_LANES);
@@ -121,7 +180,8 @@ impl WorkQueue {
             queued: 0,
             gate: KeyGate::default(),
             gating,
-            hold_budget,
+            hold,
+            pause: HoldPause::None,
             threads_per_task,
             max_batch_records: max_batch_records.max(1),
             oldest_first,
@@ -170,16 +230,60 @@ impl WorkQueue {
     }
 
     /// Units that could start now (ignoring the task's thread limit).
-    pub(crate) fn startable_units(&self) -> usize {
+    pub(crate) fn startable_units(&self, now: Instant) -> usize {
         match &self.units {
             Units::Ranges(ranges) => ranges.len(),
-            Units::Lanes { lanes, .. } => lanes.iter().filter(|l| !l.busy && !l.queue.is_empty()).count(),
+            Units::Lanes { lanes, .. } => {
+                let pausing = self.pausing(now);
+                lanes
+                    .iter()
+                    .filter(|l| !l.busy && l.queue.front().is_some_and(|r| !(pausing && self.gate.gates(r))))
+                    .count()
+            }
         }
     }
 
+    /// Whether lanes whose next record is of a gated key wait: the budget is
+    /// spent and the pause has not run out.
+    fn pausing(&self, now: Instant) -> bool {
+        match self.pause {
+            HoldPause::Since(since) => {
+                now < since + self.hold.pause && self.gate.held_records >= self.hold.budget
+            }
+            HoldPause::None | HoldPause::Over(_) => false,
+        }
+    }
+
+    /// When the current pause runs out, if lanes wait on it.
+    pub(crate) fn pause_ends_at(&self) -> Option<Instant> {
+        match self.pause {
+            HoldPause::Since(since) if self.gate.held_records >= self.hold.budget => {
+                Some(since + self.hold.pause)
+            }
+            _ => None,
+        }
+    }
+
+    /// Moves the pause on: over when it ran out, gone when the budget has
+    /// room again or the cooldown ended.
+    fn refresh_pause(&mut self, now: Instant) {
+        self.pause = match self.pause {
+            HoldPause::Since(_) if self.gate.held_records < self.hold.budget => HoldPause::None,
+            HoldPause::Since(since) if now >= since + self.hold.pause => {
+                HoldPause::Over(since + self.hold.pause)
+            }
+            HoldPause::Over(ended) if now >= ended + self.hold.pause * PAUSE_COOLDOWN => HoldPause::None,
+            pause => pause,
+        };
+    }
+
     /// Cuts the next unit. Records of gated keys are marked for parking or,
-    /// in `key` order, moved to the gate while its budget lasts.
-    pub(crate) fn take_unit(&mut self) -> Option<WorkUnit> {
+    /// in `key` order, moved to the gate while its budget lasts; past it their
+    /// lane pauses, then they park (see [`HoldLimits`]).
+    pub(crate) fn take_unit(&mut self, now: Instant) -> Option<WorkUnit> {
+        if self.gating == Gating::Hold {
+            self.refresh_pause(now);
+        }
         // As the queue drains units shrink, so the tail is shared by every thread.
         let cap = self
             .queued
@@ -201,9 +305,15 @@ impl WorkQueue {
             }
             Units::Lanes { lanes, cursor } => {
                 let n = lanes.len();
-                let candidates = (0..n)
-                    .map(|i| (*cursor + i) % n)
-                    .filter(|&i| !lanes[i].busy && !lanes[i].queue.is_empty());
+                let pausing = matches!(self.pause, HoldPause::Since(_));
+                let gate = &self.gate;
+                let candidates = (0..n).map(|i| (*cursor + i) % n).filter(|&i| {
+                    !lanes[i].busy
+                        && lanes[i]
+                            .queue
+                            .front()
+                            .is_some_and(|r| !(pausing && gate.gates(r)))
+                });
                 let lane = if self.oldest_first {
                     candidates.min_by_key(|&i| lanes[i].queue.front().map_or(u64::MAX, |r| r.offset))?
                 } else {
@@ -219,20 +329,26 @@ impl WorkQueue {
                 while records.len() < cap {
                     let Some(record) = queue.pop_front() else { break };
                     self.queued -= 1;
-                    let gated = self.gating != Gating::Off
-                        && !self.gate.keys.is_empty()
-                        && record
-                            .key
-                            .as_ref()
-                            .is_some_and(|k| self.gate.keys.contains_key(k));
+                    let gated = self.gating != Gating::Off && self.gate.gates(&record);
                     if !gated {
                         records.push(record);
                         continue;
                     }
                     let key = record.key.clone().unwrap_or_default();
-                    if self.gating == Gating::Hold && self.gate.held_records < self.hold_budget {
-                        self.gate.hold(&key, record);
-                        continue;
+                    if self.gating == Gating::Hold {
+                        if self.gate.held_records < self.hold.budget {
+                            self.gate.hold(&key, record);
+                            continue;
+                        }
+                        if self.pause == HoldPause::None {
+                            self.pause = HoldPause::Since(now);
+                        }
+                        if matches!(self.pause, HoldPause::Since(_)) {
+                            // The lane waits here; what the unit has so far runs.
+                            queue.push_front(record);
+                            self.queued += 1;
+                            break;
+                        }
                     }
                     // Parked on the retry topic, behind whatever the gate held of
                     // the key, so the key's records stay in offset order there.
@@ -244,8 +360,9 @@ impl WorkQueue {
                     records.push(record);
                 }
                 if records.is_empty() {
-                    // Everything was held: the lane stays free for what comes next.
-                    return self.take_unit();
+                    // Everything was held, or the lane pauses: it stays free
+                    // for what comes next, and another lane may have work.
+                    return self.take_unit(now);
                 }
                 lanes[lane].busy = true;
                 WorkUnit {
@@ -340,6 +457,11 @@ impl WorkQueue {
 }
 
 impl KeyGate {
+    /// Whether `record` waits behind a record of its key on the retry path.
+    fn gates(&self, record: &Record) -> bool {
+        !self.keys.is_empty() && record.key.as_ref().is_some_and(|k| self.keys.contains_key(k))
+    }
+
     fn hold(&mut self, key: &Bytes, record: Record) {
         if let Some(entry) = self.keys.get_mut(key) {
             entry.held.push_back(record);
@@ -382,34 +504,46 @@ mod tests {
         }
     }
 
+    /// A pause long enough that tests step past it on purpose.
+    const PAUSE: Duration = Duration::from_millis(100);
+
+    fn limits(budget: usize) -> HoldLimits {
+        HoldLimits { budget, pause: PAUSE }
+    }
+
     fn offsets(unit: &WorkUnit) -> Vec<u64> {
         unit.records.iter().map(|r| r.offset).collect()
     }
 
     #[test]
     fn one_thread_takes_whole_fetches_as_ranges_in_order() {
-        let mut work = WorkQueue::new(false, false, Gating::Park, 1, 500, 0);
+        let now = Instant::now();
+        let mut work = WorkQueue::new(false, false, Gating::Park, 1, 500, limits(0));
         work.push_fetched((0..10).map(|o| record("k", o)).collect());
         work.push_fetched((10..12).map(|o| record("k", o)).collect());
-        let first = work.take_unit().unwrap();
+        let first = work.take_unit(now).unwrap();
         assert_eq!(offsets(&first), (0..10).collect::<Vec<_>>());
         // It stopped after three records: the rest comes back first.
         work.give_back(None, first.records[3..].to_vec());
-        assert_eq!(offsets(&work.take_unit().unwrap()), (3..10).collect::<Vec<_>>());
-        assert_eq!(offsets(&work.take_unit().unwrap()), vec![10, 11]);
-        assert!(work.take_unit().is_none());
+        assert_eq!(
+            offsets(&work.take_unit(now).unwrap()),
+            (3..10).collect::<Vec<_>>()
+        );
+        assert_eq!(offsets(&work.take_unit(now).unwrap()), vec![10, 11]);
+        assert!(work.take_unit(now).is_none());
     }
 
     #[test]
     fn a_lane_runs_one_unit_at_a_time_and_a_key_never_leaves_its_lane() {
-        let mut work = WorkQueue::new(true, false, Gating::Hold, 2, 500, 100);
+        let now = Instant::now();
+        let mut work = WorkQueue::new(true, false, Gating::Hold, 2, 500, limits(100));
         work.push_fetched(
             (0..64)
                 .map(|o| record(if o % 2 == 0 { "a" } else { "b" }, o))
                 .collect(),
         );
         let mut taken = Vec::new();
-        while let Some(unit) = work.take_unit() {
+        while let Some(unit) = work.take_unit(now) {
             let keys: std::collections::HashSet<_> = unit.records.iter().map(|r| r.key.clone()).collect();
             assert_eq!(keys.len(), 1, "one key per lane here");
             taken.push(unit);
@@ -419,28 +553,29 @@ mod tests {
             let lane = unit.lane;
             work.give_back(lane, Vec::new());
         }
-        assert!(work.take_unit().is_some(), "lanes are free again");
+        assert!(work.take_unit(now).is_some(), "lanes are free again");
     }
 
     #[test]
     fn key_order_holds_a_gated_keys_records_and_releases_them_first() {
-        let mut work = WorkQueue::new(true, false, Gating::Hold, 2, 500, 100);
+        let now = Instant::now();
+        let mut work = WorkQueue::new(true, false, Gating::Hold, 2, 500, limits(100));
         work.gate_key(&Bytes::from_static(b"a"));
         work.push_fetched(vec![record("a", 0), record("a", 1)]);
-        assert!(work.take_unit().is_none(), "both held");
+        assert!(work.take_unit(now).is_none(), "both held");
         assert_eq!((work.held(), work.queued()), (2, 0));
         work.push_fetched(vec![record("a", 5)]);
         work.ungate_key(b"a");
         assert_eq!(work.held(), 0);
-        let (taken, parked) = drain(&mut work);
+        let (taken, parked) = drain(&mut work, Instant::now());
         assert_eq!(taken, vec![0, 1, 5]);
         assert!(parked.is_empty());
     }
 
     /// Takes every unit (giving each back done): offsets in order taken, and those to park.
-    fn drain(work: &mut WorkQueue) -> (Vec<u64>, Vec<u64>) {
+    fn drain(work: &mut WorkQueue, now: Instant) -> (Vec<u64>, Vec<u64>) {
         let (mut taken, mut parked) = (Vec::new(), Vec::new());
-        while let Some(unit) = work.take_unit() {
+        while let Some(unit) = work.take_unit(now) {
             taken.extend(offsets(&unit));
             parked.extend(unit.park.iter().map(|&i| unit.records[i].offset));
             work.give_back(unit.lane, Vec::new());
@@ -448,28 +583,77 @@ mod tests {
         (taken, parked)
     }
 
+    /// A key whose records share no lane with `key`'s (of `lanes` lanes).
+    fn key_in_another_lane(key: &str, lanes: usize) -> String {
+        let lane = |k: &str| lane_of(&record(k, 0), lanes);
+        (0..)
+            .map(|i| format!("other-{i}"))
+            .find(|k| lane(k) != lane(key))
+            .expect("some key hashes elsewhere")
+    }
+
     #[test]
-    fn past_the_budget_a_key_is_parked_with_what_it_held_in_order() {
-        let mut work = WorkQueue::new(true, false, Gating::Hold, 2, 500, 1);
+    fn past_the_budget_a_gated_keys_lane_pauses_while_other_lanes_run() {
+        let t0 = Instant::now();
+        let mut work = WorkQueue::new(true, false, Gating::Hold, 2, 500, limits(1));
+        let other = key_in_another_lane("a", 2 * LANES_PER_THREAD);
+        work.gate_key(&Bytes::from_static(b"a"));
+        work.push_fetched(vec![record("a", 0), record("a", 1), record(&other, 2)]);
+        let (taken, parked) = drain(&mut work, t0);
+        assert_eq!(
+            (taken, parked),
+            (vec![2], vec![]),
+            "a0 held, a1 waits, the other key runs"
+        );
+        assert_eq!((work.held(), work.queued()), (1, 1));
+        assert_eq!(work.startable_units(t0), 0, "the paused lane offers nothing");
+        assert_eq!(work.pause_ends_at(), Some(t0 + PAUSE));
+        // The retry path opens the key before the pause runs out: nothing parks.
+        work.ungate_key(b"a");
+        assert_eq!(work.pause_ends_at(), None);
+        let (taken, parked) = drain(&mut work, t0 + PAUSE / 2);
+        assert_eq!((taken, parked), (vec![0, 1], vec![]));
+    }
+
+    #[test]
+    fn a_pause_runs_out_into_parking_and_none_starts_again_until_the_cooldown_ends() {
+        let t0 = Instant::now();
+        let mut work = WorkQueue::new(true, false, Gating::Hold, 2, 500, limits(1));
         work.gate_key(&Bytes::from_static(b"a"));
         work.push_fetched(vec![record("a", 0), record("a", 1), record("a", 2)]);
-        let (taken, parked) = drain(&mut work);
-        assert_eq!(taken, vec![0, 1]);
-        assert_eq!(parked, vec![0, 1]);
-        // The budget is free again: the next record is held, behind the
-        // parked ones (the gate opens only when all of them are final).
-        assert_eq!(work.held(), 1);
+        assert_eq!(drain(&mut work, t0), (vec![], vec![]), "a0 held, a1 waits");
+        // The pause ran out: the key parks, what it held first, in order. The
+        // budget is free again and holds the next record.
+        let t1 = t0 + PAUSE;
+        assert_eq!(drain(&mut work, t1), (vec![0, 1], vec![0, 1]));
+        assert_eq!((work.held(), work.queued()), (1, 0));
+        // Within the cooldown a spent budget parks at once.
+        work.push_fetched(vec![record("a", 3)]);
+        assert_eq!(drain(&mut work, t1 + PAUSE), (vec![2, 3], vec![2, 3]));
+        // After it, a spent budget pauses again.
+        let t2 = t1 + PAUSE * PAUSE_COOLDOWN;
+        work.push_fetched(vec![record("a", 4), record("a", 5)]);
+        assert_eq!(drain(&mut work, t2), (vec![], vec![]));
+        assert_eq!(work.pause_ends_at(), Some(t2 + PAUSE));
     }
 
     #[test]
     fn offset_order_marks_gated_records_for_parking() {
+        let now = Instant::now();
         for lanes in [false, true] {
-            let mut work = WorkQueue::new(lanes, true, Gating::Park, if lanes { 2 } else { 1 }, 500, 0);
+            let mut work = WorkQueue::new(
+                lanes,
+                true,
+                Gating::Park,
+                if lanes { 2 } else { 1 },
+                500,
+                limits(0),
+            );
             work.gate_key(&Bytes::from_static(b"a"));
             work.push_fetched(vec![record("a", 0)]);
             work.push_fetched(vec![record("b", 1)]);
             let mut parked = Vec::new();
-            while let Some(unit) = work.take_unit() {
+            while let Some(unit) = work.take_unit(now) {
                 parked.extend(unit.park.iter().map(|&i| unit.records[i].offset));
                 let lane = unit.lane;
                 work.give_back(lane, Vec::new());

@@ -10,7 +10,7 @@ use crate::runtime::retry::Failure;
 use crate::runtime::retry_queue::RetryQueue;
 use crate::runtime::stores::TaskStore;
 use crate::runtime::task::TaskInit;
-use crate::runtime::work::Gating;
+use crate::runtime::work::{Gating, HoldLimits};
 use bytes::Bytes;
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
@@ -53,6 +53,7 @@ fn init(partition: u32, order: ProcessingOrder, t: usize, start: u64, batch: usi
         sink_topic: None,
         max_batch_records: batch,
         max_in_flight_records: 1_000,
+        hold: HoldLimits::new(1_000, 100),
         outcome_retention_records: 10_000,
         transaction: None,
     }
