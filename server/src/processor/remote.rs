@@ -255,8 +255,13 @@ impl RemoteProcessor {
         let request = self.request(call);
         let mut client = self.client.clone();
         let timeout = call.timeout;
-        // `None`: the deadline passed on this side before any answer.
-        let answer = self.runtime.handle().block_on(async move {
+        // `None`: the deadline passed on this side before any answer. The
+        // call runs as a task of the runtime, whose workers drive the
+        // connection anyway, and this thread waits for its end only: blocking
+        // on the call itself would wake this thread for each part of the
+        // answer (headers, message, trailers), a context switch each.
+        let handle = self.runtime.handle();
+        let call_task = handle.spawn(async move {
             let mut request = tonic::Request::new(request);
             match timeout {
                 Some(limit) => {
@@ -266,6 +271,14 @@ impl RemoteProcessor {
                 None => Some(client.process(request).await),
             }
         });
+        let answer = match handle.block_on(call_task) {
+            Ok(answer) => answer,
+            // The task panicked or the runtime is shutting down: no answer,
+            // and nothing says the processor saw the records.
+            Err(error) => Some(Err(tonic::Status::unavailable(format!(
+                "the call did not complete: {error}"
+            )))),
+        };
         match answer {
             None => {
                 let error = timed_out(timeout);
