@@ -158,12 +158,10 @@ fn a_failed_attempt_leaves_no_writes_so_counters_are_exact_after_retries() {
             assert_eq!(failed, 100, "every seventh record failed once, nothing else");
         }
         if order == ProcessingOrder::Key {
-            let retry = app.read_topic("promises-p-retry", 0, 0, 10_000).unwrap();
-            assert_eq!(
-                retry.records.len(),
-                100,
-                "key order holds parked records in memory"
-            );
+            // Counted by the end offset: entries already final may be gone
+            // to retention once a commit covered them.
+            let retry = app.read_topic("promises-p-retry", 0, u64::MAX, 1).unwrap();
+            assert_eq!(retry.end_offset, 100, "key order holds parked records in memory");
         }
     }
 }
