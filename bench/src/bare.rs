@@ -1,6 +1,7 @@
 //! bare: the limits our runs are measured against, run in the same process and run as ours —
 //! no runtime, just the work. A sleep loop over the exact latencies `simulate` draws for each
-//! record (volume, scaling, ordering) and a loop calling the processor alone (floor).
+//! record (volume, scaling, ordering), a loop calling the processor alone (floor), and a
+//! count per key in one `HashMap` (scale: the cost of many keys that any store pays).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -49,9 +50,40 @@ pub fn keyed_bound(latencies_ms: &[f64], keys: &[u64], threads: usize) -> f64 {
     (total / threads.max(1) as f64).max(heaviest) / 1000.0
 }
 
+/// Counts the records of `keys` per key in one `HashMap<Bytes, Bytes>` (std hasher), as
+/// `count` does — the decimal value read, parsed and written back per record — over the
+/// record keys `prefill` gives: what a million keys cost when nothing but the map is there.
+/// Seconds for the counting alone (the keys are made before the clock starts).
+pub fn count_loop(keys: crate::workload::Keys, records: u64) -> f64 {
+    use bytes::Bytes;
+    use std::collections::HashMap;
+    let table = crate::workload::key_table(keys);
+    let record_keys: Vec<Bytes> = (0..records)
+        .map(|i| crate::workload::record_key(keys, &table, i))
+        .collect();
+    let mut counts: HashMap<Bytes, Bytes> = HashMap::new();
+    let start = Instant::now();
+    for key in &record_keys {
+        let current: i64 = counts
+            .get(key)
+            .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
+            .unwrap_or(0);
+        counts.insert(key.clone(), Bytes::from((current + 1).to_string()));
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    std::hint::black_box(counts.len());
+    seconds
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_count_loop_runs_over_every_record() {
+        let keys = crate::workload::Keys::Uniform { count: 10, seed: 3 };
+        assert!(count_loop(keys, 1_000) > 0.0);
+    }
 
     #[test]
     fn the_sleep_loop_takes_the_total_over_the_threads() {

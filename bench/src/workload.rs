@@ -46,6 +46,23 @@ impl Keys {
     }
 }
 
+/// The distinct keys of a `Uniform` draw, made once (empty for `Distinct`).
+pub fn key_table(keys: Keys) -> Vec<Bytes> {
+    match keys {
+        Keys::Uniform { count, .. } => (0..count).map(|k| Bytes::from(format!("key-{k:07}"))).collect(),
+        Keys::Distinct => Vec::new(),
+    }
+}
+
+/// Record i's key, `table` from `key_table`.
+pub fn record_key(keys: Keys, table: &[Bytes], i: u64) -> Bytes {
+    match keys {
+        // Cloning a `Bytes` of the table shares it: no allocation per record.
+        Keys::Uniform { .. } => table[keys.index_of(i) as usize].clone(),
+        Keys::Distinct => Bytes::from(format!("key-{i:09}")),
+    }
+}
+
 /// Appends `records` keyed records (value: `value_bytes` bytes) to `topic`.
 pub fn prefill(
     log: &dyn Log,
@@ -56,26 +73,16 @@ pub fn prefill(
     value_bytes: usize,
 ) -> anyhow::Result<()> {
     log.ensure_topic(topic, partitions)?;
-    let table: Vec<Bytes> = match keys {
-        Keys::Uniform { count, .. } => (0..count).map(|k| Bytes::from(format!("key-{k:07}"))).collect(),
-        Keys::Distinct => Vec::new(),
-    };
+    let table = key_table(keys);
     let value = Bytes::from(vec![b'v'; value_bytes]);
     let mut next = 0u64;
     while next < records {
         let chunk = (records - next).min(50_000);
         let batch: Vec<ProducerRecord> = (next..next + chunk)
-            .map(|i| {
-                let key = match keys {
-                    // Cloning a `Bytes` of the table shares it: no allocation per record.
-                    Keys::Uniform { .. } => table[keys.index_of(i) as usize].clone(),
-                    Keys::Distinct => Bytes::from(format!("key-{i:09}")),
-                };
-                ProducerRecord {
-                    key: Some(key),
-                    value: value.clone(),
-                    ..ProducerRecord::default()
-                }
+            .map(|i| ProducerRecord {
+                key: Some(record_key(keys, &table, i)),
+                value: value.clone(),
+                ..ProducerRecord::default()
             })
             .collect();
         log.append(topic, batch)?;

@@ -3,6 +3,7 @@
 //! `count` pipeline on a prefilled in-memory log, so what grows is the runtime's own cost.
 
 use super::Ctx;
+use crate::bare;
 use crate::plot::{self, Chart, Series};
 use crate::repeat::{self, Samples};
 use crate::report::{ScenarioReport, Table, Verdict, group, mib, rate, ratio};
@@ -181,22 +182,43 @@ fn keys_table(ctx: &Ctx, report: &mut ScenarioReport, records: u64, rounds: usiz
             config.num_stream_threads = 1;
         })
     })?;
+    // The bare limit, in the same run: a count per key in one HashMap, the median of `rounds`.
+    let bare: Vec<f64> = values
+        .iter()
+        .map(|&count| {
+            let keys = Keys::Uniform { count, seed: 3 };
+            repeat::median((0..rounds).map(|_| records as f64 / bare::count_loop(keys, records).max(1e-9)))
+        })
+        .collect();
     let at = |k: u32| {
         values
             .iter()
             .position(|&v| v == k)
             .map_or(0.0, |i| samples[i].median_rate())
     };
+    let bare_at = |k: u32| values.iter().position(|&v| v == k).map_or(0.0, |i| bare[i]);
     let mut columns = vec!["distinct keys"];
     columns.extend(COLUMNS);
-    columns.extend(["target", "pass/miss"]);
+    columns.extend([
+        "bare HashMap count, records/s",
+        "ours / bare",
+        "target",
+        "pass/miss",
+    ]);
     let mut table = Table::new("distinct keys (1 partition, N = T = 1, memory store)", &columns);
     for (i, &k) in values.iter().enumerate() {
         let mut row = vec![group(u64::from(k))];
         row.extend(row_cells(&samples[i], peaks[i]));
+        row.push(rate(bare[i]));
+        row.push(ratio(samples[i].median_rate() / bare[i].max(1e-9)));
         if k == many {
             let share = samples[i].median_rate() / at(10_000).max(1e-9);
-            row.push(format!("≥ {KEYS_SHARE} × 10,000 keys (is {})", ratio(share)));
+            let bare_share = bare[i] / bare_at(10_000).max(1e-9);
+            row.push(format!(
+                "≥ {KEYS_SHARE} × 10,000 keys (is {}; bare {})",
+                ratio(share),
+                ratio(bare_share)
+            ));
             row.push(
                 Verdict::of(samples[i].all_finished() && share >= KEYS_SHARE)
                     .as_str()
