@@ -244,6 +244,55 @@ async fn settled<T, F: std::future::Future<Output = Result<T, ClientError>>>(
 /// another instance is forwarded to it (the answer names it), a range
 /// fans out to all three; with `forward_queries = false` (here through its
 /// environment variable) the owner comes back in ErrorInfo instead.
+/// Asks each instance for the store's metadata until it lists exactly
+/// `addresses`, with disjoint partitions covering `partitions`, and says what
+/// the instances asked before it said; answers partition → owner.
+async fn settled_owners(
+    clients: &[StreamsClient],
+    addresses: &[String],
+    partitions: usize,
+) -> BTreeMap<u32, String> {
+    let expected: BTreeSet<String> = addresses.iter().cloned().collect();
+    let mut owners: BTreeMap<u32, String> = BTreeMap::new();
+    for (i, client) in clients.iter().enumerate() {
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        loop {
+            let listed = match client.process_metadata_for_store("counts", true).await {
+                Ok(metadata) => metadata.metadata,
+                Err(e) if e.is_retryable() => Vec::new(),
+                Err(e) => panic!("ProcessMetadataForStore on instance {i}: {e}"),
+            };
+            let mut seen: BTreeMap<u32, String> = BTreeMap::new();
+            let mut disjoint = true;
+            for instance in &listed {
+                for tp in &instance.topic_partitions {
+                    disjoint &= seen
+                        .insert(tp.partition, host_of(instance.host_info.as_ref()))
+                        .is_none();
+                }
+            }
+            let hosts: BTreeSet<String> = listed.iter().map(|m| host_of(m.host_info.as_ref())).collect();
+            if disjoint && seen.len() == partitions && hosts == expected {
+                // Once settled, every instance tells the same story; a change
+                // (a late rebalance) is asked again at once.
+                if owners.is_empty() || owners == seen {
+                    owners = seen;
+                    break;
+                }
+                owners = seen;
+                continue;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "instance {i} did not list the {} instances with disjoint partitions covering {partitions}: {listed:#?}",
+                addresses.len()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    owners
+}
+
 #[test]
 fn three_server_binaries_answer_for_each_other() {
     let Some(broker) = broker() else { return };
@@ -297,41 +346,7 @@ fn three_server_binaries_answer_for_each_other() {
         }
 
         // Every instance lists all three, disjoint, covering all 12.
-        let mut owners: BTreeMap<u32, String> = BTreeMap::new();
-        for (i, client) in clients.iter().enumerate() {
-            let deadline = tokio::time::Instant::now() + DEADLINE;
-            loop {
-                let listed = match client.process_metadata_for_store("counts", true).await {
-                    Ok(metadata) => metadata.metadata,
-                    Err(e) if e.is_retryable() => Vec::new(),
-                    Err(e) => panic!("ProcessMetadataForStore on instance {i}: {e}"),
-                };
-                let mut seen: BTreeMap<u32, String> = BTreeMap::new();
-                let mut disjoint = true;
-                for instance in &listed {
-                    for tp in &instance.topic_partitions {
-                        disjoint &= seen.insert(tp.partition, host_of(instance.host_info.as_ref())).is_none();
-                    }
-                }
-                let hosts: BTreeSet<String> = listed.iter().map(|m| host_of(m.host_info.as_ref())).collect();
-                let expected: BTreeSet<String> = addresses.iter().cloned().collect();
-                if disjoint && seen.len() == 12 && hosts == expected {
-                    // Once settled, every instance tells the same story.
-                    if owners.is_empty() {
-                        owners = seen;
-                    } else if owners != seen {
-                        owners = seen;
-                        continue;
-                    }
-                    break;
-                }
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "instance {i} did not list the three instances with disjoint partitions covering 12: {listed:#?}"
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
+        let owners = settled_owners(&clients, &addresses, 12).await;
         eprintln!(
             "three instances settled {:.1} s after the last start: {owners:?}",
             started.elapsed().as_secs_f64()
@@ -374,9 +389,16 @@ fn three_server_binaries_answer_for_each_other() {
                 request.page_token = response.next_page_token;
             }
             let mut partitions: Vec<u32> = results.iter().map(|r| r.partition).collect();
-            assert!(partitions.is_sorted(), "partitions ascend across pages: {partitions:?}");
+            assert!(
+                partitions.is_sorted(),
+                "partitions ascend across pages: {partitions:?}"
+            );
             partitions.dedup();
-            assert_eq!(partitions, (0..12).collect::<Vec<_>>(), "every partition answered");
+            assert_eq!(
+                partitions,
+                (0..12).collect::<Vec<_>>(),
+                "every partition answered"
+            );
             assert!(pages > 1, "about 300 bytes of entries come in pages of 100");
             for result in &results {
                 assert_eq!(
@@ -418,32 +440,58 @@ fn three_server_binaries_answer_for_each_other() {
             )
             .join()
             .await;
-        let all = received.await.expect("one callback").expect("every record's outcome");
+        let all = received
+            .await
+            .expect("one callback")
+            .expect("every record's outcome");
         let mut offsets: BTreeMap<u32, Vec<i64>> = BTreeMap::new();
         for record in &all.records {
             offsets.entry(record.partition).or_default().push(record.offset);
         }
         let mut produced_offsets: BTreeMap<u32, Vec<i64>> = BTreeMap::new();
         for position in &produced.positions {
-            produced_offsets.entry(position.partition).or_default().push(position.offset);
+            produced_offsets
+                .entry(position.partition)
+                .or_default()
+                .push(position.offset);
         }
         for list in produced_offsets.values_mut() {
             list.sort_unstable();
         }
-        assert_eq!(offsets, produced_offsets, "every produced offset once, in order per partition");
+        assert_eq!(
+            offsets, produced_offsets,
+            "every produced offset once, in order per partition"
+        );
         let tasks: BTreeSet<&str> = all.ranges.iter().map(|r| r.task_id.as_str()).collect();
-        assert_eq!(tasks.len(), produced_offsets.len(), "one task per partition written");
+        assert_eq!(
+            tasks.len(),
+            produced_offsets.len(),
+            "one task per partition written"
+        );
 
         for key in &keys {
             let mut named = BTreeSet::new();
             for client in &clients {
-                let metadata = settled("MetadataForKey", || client.metadata_for_key("counts", key.clone())).await;
+                let metadata = settled("MetadataForKey", || {
+                    client.metadata_for_key("counts", key.clone())
+                })
+                .await;
                 named.insert(host_of(metadata.active_host.as_ref()));
-                assert_eq!(owners[&metadata.partition], host_of(metadata.active_host.as_ref()));
+                assert_eq!(
+                    owners[&metadata.partition],
+                    host_of(metadata.active_host.as_ref())
+                );
             }
-            assert_eq!(named.len(), 1, "every instance names the same owner of {key}: {named:?}");
+            assert_eq!(
+                named.len(),
+                1,
+                "every instance names the same owner of {key}: {named:?}"
+            );
             let owner = named.into_iter().next().expect("an owner");
-            let owner_index = addresses.iter().position(|a| *a == owner).expect("a listed instance");
+            let owner_index = addresses
+                .iter()
+                .position(|a| *a == owner)
+                .expect("a listed instance");
             let request = v1::QueryRequest {
                 store: "counts".into(),
                 query: Some(v1::query_request::Query::Key(v1::KeyQuery {
@@ -472,7 +520,11 @@ fn three_server_binaries_answer_for_each_other() {
                 }
                 let answer = settled("forwarded Query", || client.query(request.clone())).await;
                 assert_eq!(answer.results.len(), 1);
-                assert_eq!(host_of(answer.results[0].host.as_ref()), owner, "{key} answered by its owner");
+                assert_eq!(
+                    host_of(answer.results[0].host.as_ref()),
+                    owner,
+                    "{key} answered by its owner"
+                );
                 assert_eq!(answer.results[0].entries[0].value, expected[key].to_string());
             }
         }
@@ -561,39 +613,7 @@ fn two_tls_instances_forward_queries_to_each_other_over_mutual_tls() {
         }
 
         // Both instances listed by both, with disjoint partitions covering all 6.
-        let mut owners: BTreeMap<u32, String> = BTreeMap::new();
-        for (i, client) in clients.iter().enumerate() {
-            let deadline = tokio::time::Instant::now() + DEADLINE;
-            loop {
-                let listed = match client.process_metadata_for_store("counts", true).await {
-                    Ok(metadata) => metadata.metadata,
-                    Err(e) if e.is_retryable() => Vec::new(),
-                    Err(e) => panic!("ProcessMetadataForStore on instance {i}: {e}"),
-                };
-                let mut seen: BTreeMap<u32, String> = BTreeMap::new();
-                let mut disjoint = true;
-                for instance in &listed {
-                    for tp in &instance.topic_partitions {
-                        disjoint &= seen.insert(tp.partition, host_of(instance.host_info.as_ref())).is_none();
-                    }
-                }
-                let hosts: BTreeSet<String> = listed.iter().map(|m| host_of(m.host_info.as_ref())).collect();
-                let expected: BTreeSet<String> = addresses.iter().cloned().collect();
-                if disjoint && seen.len() == 6 && hosts == expected {
-                    if owners.is_empty() || owners == seen {
-                        owners = seen;
-                        break;
-                    }
-                    owners = seen;
-                    continue;
-                }
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "instance {i} did not list both instances with disjoint partitions covering 6: {listed:#?}"
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
+        let owners = settled_owners(&clients, &addresses, 6).await;
 
         let keys: Vec<String> = (0..24).map(|i| format!("user-{i}")).collect();
         let records = keys
@@ -653,9 +673,15 @@ fn two_tls_instances_forward_queries_to_each_other_over_mutual_tls() {
         // Each key asked of the instance that does not hold it: forwarded to its owner.
         let mut forwarded_from = [0usize; 2];
         for key in &keys {
-            let metadata = settled("MetadataForKey", || clients[0].metadata_for_key("counts", key.clone())).await;
+            let metadata = settled("MetadataForKey", || {
+                clients[0].metadata_for_key("counts", key.clone())
+            })
+            .await;
             let owner = host_of(metadata.active_host.as_ref());
-            let owner_index = addresses.iter().position(|a| *a == owner).expect("a listed instance");
+            let owner_index = addresses
+                .iter()
+                .position(|a| *a == owner)
+                .expect("a listed instance");
             let other = 1 - owner_index;
             let request = v1::QueryRequest {
                 store: "counts".into(),
@@ -664,9 +690,16 @@ fn two_tls_instances_forward_queries_to_each_other_over_mutual_tls() {
                 })),
                 ..Default::default()
             };
-            let answer = settled("forwarded Query over TLS", || clients[other].query(request.clone())).await;
+            let answer = settled("forwarded Query over TLS", || {
+                clients[other].query(request.clone())
+            })
+            .await;
             assert_eq!(answer.results.len(), 1);
-            assert_eq!(host_of(answer.results[0].host.as_ref()), owner, "{key} answered by its owner");
+            assert_eq!(
+                host_of(answer.results[0].host.as_ref()),
+                owner,
+                "{key} answered by its owner"
+            );
             assert_eq!(answer.results[0].entries[0].value, expected[key].to_string());
             forwarded_from[other] += 1;
         }
