@@ -5,7 +5,10 @@
 //! the server must still serve and count exactly the records it acknowledged.
 //! `TASKSTREAM_HOSTILE_CASES` sets the number of proptest cases (default 512, about 5,000 requests).
 
+mod common;
+
 use bytes::{Buf as _, BufMut as _, Bytes};
+use common::auth::{Bearer, TOKENS};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
 use std::collections::HashMap;
@@ -63,22 +66,6 @@ struct Server {
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<Result<(), taskstream_server::service::ServeError>>,
     _dir: taskstream_server::scratch::TempDir,
-}
-
-const TOKENS: &str = "reader-token read\nwriter-token write\nadmin-token admin\n";
-
-/// Adds a bearer token (if any) to every call.
-#[derive(Clone)]
-struct Bearer(Option<&'static str>);
-
-impl tonic::service::Interceptor for Bearer {
-    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
-        if let Some(token) = self.0 {
-            let value = format!("Bearer {token}").parse().expect("a header value");
-            request.metadata_mut().insert("authorization", value);
-        }
-        Ok(request)
-    }
 }
 
 impl Server {

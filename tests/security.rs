@@ -5,7 +5,10 @@
 //! open. Produce into a retry topic and a forged runtime header are refused; an admin
 //! redrives dead letters and they are processed again.
 
+mod common;
+
 use bytes::Bytes;
+use common::auth::{Bearer, TOKENS};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -21,22 +24,6 @@ use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 const WAIT: Duration = Duration::from_secs(60);
-const TOKENS: &str = "# test tokens\nreader-token read\nwriter-token write\nadmin-token admin\n";
-
-/// Adds the token of a role (if any) to every call.
-#[derive(Clone)]
-struct Bearer(Option<&'static str>);
-
-impl tonic::service::Interceptor for Bearer {
-    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
-        if let Some(token) = self.0 {
-            let value = format!("Bearer {token}").parse().expect("a header value");
-            request.metadata_mut().insert("authorization", value);
-        }
-        Ok(request)
-    }
-}
-
 struct Server {
     app: StreamsApp,
     channel: Channel,

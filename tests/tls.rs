@@ -10,6 +10,7 @@
 
 mod common;
 
+use common::auth::TOKENS;
 use common::tools::tools;
 use common::{Output, Server, cli_binary, run, server_binary, temp_dir};
 use std::path::{Path, PathBuf};
@@ -21,8 +22,6 @@ use tonic::Code;
 
 /// Bound of one subprocess call, and of waiting for processing to catch up.
 const WAIT: Duration = Duration::from_secs(90);
-
-const TOKENS: &str = "reader-token read\nwriter-token write\nadmin-token admin\n";
 
 fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -1,9 +1,11 @@
 //! Helpers shared by the end-to-end tests (grpcurl, python_grpcio, binary): an
 //! in-process server on 127.0.0.1:0, a subprocess runner with a deadline, and
 //! the tools the tests provision for themselves (`tools`), and the Apache Kafka
-//! broker of the Kafka tests (`kafka`).
+//! broker of the Kafka tests (`kafka`), and the tests' bearer tokens (`auth`).
 //! Each test binary compiles this module on its own, hence the `dead_code` allows.
 
+#[allow(dead_code)]
+pub mod auth;
 pub mod kafka;
 #[allow(dead_code)]
 pub mod tools;
