@@ -9,7 +9,7 @@ use super::retry::{self, Failure, RetryItem};
 use super::scheduler::{RetriesDone, UnitContext, UnitDone};
 use super::shared::PipelineProcessor;
 use super::shared::Shared;
-use super::work::{Gating, WorkUnit};
+use super::work::{Gating, KeySet, WorkUnit};
 use crate::config::RetryPolicy;
 use crate::log::{ProducerRecord, Record};
 use crate::metadata::{MAX_OUTCOME_ERROR_BYTES, Outcome, RecordOutcome, outcome_key};
@@ -17,7 +17,6 @@ use crate::processor::remote::{RecordResult, Unreachable};
 use crate::processor::{Outputs, ProcessError, ProcessorContext};
 use crate::runtime::echo_up_to;
 use crate::store::{Write, WriteTag};
-use bytes::Bytes;
 use std::collections::HashSet;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -280,7 +279,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
     let mut returned = Vec::new();
     let mut to_retry: Vec<(usize, ProducerRecord)> = Vec::new();
     let mut to_dead_letter: Vec<(usize, ProducerRecord)> = Vec::new();
-    let mut failed_keys: HashSet<Bytes> = HashSet::new();
+    let mut failed_keys = KeySet::default();
     let mut buffer: Vec<Write> = Vec::new();
     let remote = pipeline.processor.remote();
     let mut prefetched = Prefetched::default();
@@ -499,7 +498,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
     let keyed = context.gating != Gating::Off;
     let mut buffer: Vec<Write> = Vec::new();
     let mut attempted = Vec::with_capacity(items.len());
-    let mut blocked_keys: HashSet<Bytes> = HashSet::new();
+    let mut blocked_keys = KeySet::default();
     // The remote processor could not be reached: the items left wait untouched.
     let mut unreachable = false;
     // Output records of the processed items, by source offset.

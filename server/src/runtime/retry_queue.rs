@@ -6,8 +6,9 @@
 
 use super::retry::RetryItem;
 use super::sequencer::Sequencer;
+use super::work::KeySet;
 use bytes::Bytes;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 
 /// The not-yet-final records of one task's retry-topic partition.
 pub(crate) struct RetryQueue {
@@ -16,7 +17,7 @@ pub(crate) struct RetryQueue {
     /// Loaded and waiting (not in progress), by retry offset.
     waiting: BTreeMap<u64, RetryItem>,
     /// Keyed: keys with an item in progress.
-    busy_keys: HashSet<Bytes>,
+    busy_keys: KeySet,
     in_progress: usize,
     /// Items of one key run one at a time, in retry-offset order (`offset`
     /// and `key` order: the records parked behind a failed one wait for it).
@@ -63,7 +64,7 @@ impl RetryQueue {
         RetryQueue {
             seq: Sequencer::new(start),
             waiting: BTreeMap::new(),
-            busy_keys: HashSet::new(),
+            busy_keys: KeySet::default(),
             in_progress: 0,
             keyed,
             fetching: false,
@@ -207,7 +208,7 @@ impl RetryQueue {
         if self.not_before_ms > 0 {
             return Some(self.not_before_ms).filter(|&t| t < i64::MAX);
         }
-        let mut seen_keys: HashSet<&Bytes> = HashSet::new();
+        let mut seen_keys: foldhash::HashSet<&Bytes> = Default::default();
         let mut next: Option<i64> = None;
         for item in self.waiting.values().take(1024) {
             if let Some(key) = item.record.key.as_ref().filter(|_| self.keyed)
@@ -235,9 +236,9 @@ impl RetryQueue {
         // Keyed: each key's run of due items, in the order the runs start.
         // Unkeyed (or keyless): every due item is a run of its own.
         let mut runs: Vec<Vec<u64>> = Vec::new();
-        let mut run_of: HashMap<&Bytes, usize> = HashMap::new();
+        let mut run_of: foldhash::HashMap<&Bytes, usize> = Default::default();
         // Keys that must not take any more items in this pass.
-        let mut stopped: HashSet<&Bytes> = HashSet::new();
+        let mut stopped: foldhash::HashSet<&Bytes> = Default::default();
         let mut next_due = i64::MAX;
         let mut held_back = false;
         for (&offset, item) in self.waiting.iter().take(1024) {

@@ -445,8 +445,10 @@ impl Scheduler {
         // Help: the task whose startable work most exceeds its threads.
         let best = self
             .tasks()
-            .filter(|(_, t)| t.has_room() && t.startable_units(now) > 0)
-            .max_by_key(|(_, t)| t.startable_units(now))
+            .filter(|(_, t)| t.has_room())
+            .map(|(i, t)| (i, t.startable_units(now)))
+            .filter(|&(_, units)| units > 0)
+            .max_by_key(|&(_, units)| units)
             .map(|(i, _)| i);
         if let Some(t) = best
             && let Some(pick) = self.take_unit(me, t, now)

@@ -9,8 +9,18 @@
 
 use crate::log::Record;
 use bytes::Bytes;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
+
+/// Sets and maps of record keys inside the runtime (the key gate, the keys
+/// that failed in a unit, keys busy on the retry path). Looked up once or
+/// twice per record while any key waits on the retry path, where std's
+/// SipHash was half of the extra CPU that failures cost (bench `retry`,
+/// parked-keys probe). foldhash is keyed per map with a random seed like
+/// std's, but not built to resist someone studying the process to craft
+/// collisions; these maps hold only keys on the retry path, a bounded few.
+pub(crate) type KeySet = foldhash::HashSet<Bytes>;
+pub(crate) type KeyMap<V> = foldhash::HashMap<Bytes, V>;
 
 /// A fetch is cut into this many ranges per thread of the task, so the tail
 /// of a fetch is shared by every thread instead of left to a few long ranges.
@@ -129,7 +139,7 @@ enum Units {
 /// Keys with records on the retry path, and (`Hold`) their later records kept here.
 #[derive(Default)]
 struct KeyGate {
-    keys: HashMap<Bytes, GateEntry>,
+    keys: KeyMap<GateEntry>,
     held_records: usize,
 }
 
