@@ -344,7 +344,7 @@ fn on_append(shared: &Shared, topic: &str, partition: u32) {
         let Some(task) = scheduler.task_index(p, partition) else {
             continue;
         };
-        scheduler.notify_append(task, source);
+        scheduler.notify_append(task, source, super::process::now_ms());
         any = true;
     }
     if any {

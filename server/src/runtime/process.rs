@@ -362,7 +362,10 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         };
         let error = match attempt(shared, context, record, 1, tag, &mut buffer, run) {
             Ok(outputs) => {
-                emitted.push((record.offset, outputs));
+                // Most processors emit nothing: no entry, no allocation per record.
+                if !outputs.is_empty() {
+                    emitted.push((record.offset, outputs));
+                }
                 outcomes.push(outcome(shared, context, record, Outcome::Processed, 1, None));
                 continue;
             }

@@ -114,7 +114,11 @@ pub(crate) fn plan(
         keyed,
         config.max_in_flight_records,
         backlog.final_offsets,
-    );
+    )
+    .with_fetch_delay(super::retry_queue::fetch_delay_ms(
+        config.retry_backoff_ms,
+        config.retry_backoff_max_ms,
+    ));
     retry.mark_committed(retry_committed.unwrap_or(retry_start), 0);
     let restore = if store.changelog().is_some() {
         if shared.exactly_once()

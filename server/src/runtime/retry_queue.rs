@@ -24,9 +24,17 @@ pub(crate) struct RetryQueue {
     keyed: bool,
     fetching: bool,
     /// Bumped by every append to the retry partition; equal to `fetched_gen`
-    /// once a fetch found nothing new, so an idle retry topic is not polled.
+    /// once a fetch read everything appended before it started, so an idle
+    /// retry topic is not polled.
     append_gen: u64,
     fetched_gen: u64,
+    /// The fetch under way: the generation it covers and how many it asked for.
+    in_flight: Option<(u64, usize)>,
+    /// New entries are read no sooner than this after the first of them was
+    /// appended (see `with_fetch_delay`); 0 reads them at once.
+    fetch_delay_ms: i64,
+    /// When the entries appended since the last read may be read.
+    fetch_at_ms: i64,
     /// The retry offset last committed.
     committed: u64,
     /// How many final offsets above `committed` the last commit recorded.
@@ -51,6 +59,18 @@ pub(crate) fn backlog(retry_end: u64, watermark: u64, final_above: u64) -> u64 {
     retry_end.saturating_sub(watermark).saturating_sub(final_above)
 }
 
+/// The longest a read of new entries waits (see `RetryQueue::with_fetch_delay`):
+/// past it, batching reads saves little, and a re-driven dead letter should
+/// not wait long for its first read.
+const MAX_FETCH_DELAY_MS: u64 = 50;
+
+/// How long new entries wait before they are read: the shortest first backoff
+/// (`retry::backoff` jitters within [0.5, 1] of the first step), at most
+/// `MAX_FETCH_DELAY_MS`.
+pub(crate) fn fetch_delay_ms(retry_backoff_ms: u64, retry_backoff_max_ms: u64) -> u64 {
+    (retry_backoff_ms.min(retry_backoff_max_ms) / 2).min(MAX_FETCH_DELAY_MS)
+}
+
 /// At most this many retry items go to one thread at once: small, because
 /// each may take as long as the processor's latency.
 const RETRY_UNIT_MAX: usize = 16;
@@ -70,6 +90,9 @@ impl RetryQueue {
             fetching: false,
             append_gen: 1,
             fetched_gen: 0,
+            in_flight: None,
+            fetch_delay_ms: 0,
+            fetch_at_ms: 0,
             committed: start,
             committed_done: 0,
             pending_sources: BTreeMap::new(),
@@ -78,6 +101,19 @@ impl RetryQueue {
             done_before: done_before.into_iter().collect(),
             not_before_ms: 0,
         }
+    }
+
+    /// Reads new entries only `delay_ms` after the first of them was
+    /// appended, and all of them in one read. A first failure is due after
+    /// at least half the first backoff (its jitter's floor), so reading it
+    /// sooner gains nothing, while a read per append (one per unit with a
+    /// failure) cost a log transaction and a scheduler round each (bench
+    /// `retry`, parked-keys probe). Records parked behind a failed one wait
+    /// for it anyway; only an entry due at once (a re-driven dead letter)
+    /// waits up to `delay_ms` longer.
+    pub(crate) fn with_fetch_delay(mut self, delay_ms: u64) -> RetryQueue {
+        self.fetch_delay_ms = i64::try_from(delay_ms).unwrap_or(i64::MAX);
+        self
     }
 
     /// The retry offset below which every entry is final.
@@ -135,26 +171,49 @@ impl RetryQueue {
         self.fetching
     }
 
-    /// Records were appended to the retry partition.
-    pub(crate) fn notify_append(&mut self) {
+    /// Records were appended to the retry partition at `now_ms`.
+    pub(crate) fn notify_append(&mut self, now_ms: i64) {
+        let covered = self
+            .in_flight
+            .map_or(self.fetched_gen, |(generation, _)| generation);
+        if self.append_gen == covered {
+            // The first append no read will see yet: the wait starts now.
+            self.fetch_at_ms = now_ms.saturating_add(self.fetch_delay_ms);
+        }
         self.append_gen += 1;
     }
 
-    /// A read of the retry partition from `fetched_end()`, or None if none is due.
-    pub(crate) fn start_fetch(&mut self) -> Option<(u64, usize, u64)> {
-        if !self.can_fetch() {
+    /// A read of the retry partition from `fetched_end()`, or None if none is due at `now_ms`.
+    pub(crate) fn start_fetch(&mut self, now_ms: i64) -> Option<(u64, usize, u64)> {
+        if !self.can_fetch() || now_ms < self.fetch_at_ms {
             return None;
         }
         self.fetching = true;
-        Some((self.seq.fetched_end(), self.fetch_capacity(), self.append_gen))
+        let max = self.fetch_capacity();
+        self.in_flight = Some((self.append_gen, max));
+        Some((self.seq.fetched_end(), max, self.append_gen))
     }
 
-    /// The read started at `generation` ended; `found` records were added (or it failed).
-    pub(crate) fn fetch_ended(&mut self, generation: u64, found: bool) {
+    /// The read under way (started at `generation`) ended with `read` records (None: it failed, and
+    /// is tried again at the next pick). A read that got fewer than it asked
+    /// for saw everything appended before it started.
+    pub(crate) fn fetch_ended(&mut self, generation: u64, read: Option<usize>) {
+        debug_assert_eq!(
+            self.in_flight.map(|(g, _)| g),
+            Some(generation),
+            "the read that ends is the one under way"
+        );
         self.fetching = false;
-        if !found {
-            self.fetched_gen = generation;
+        if let (Some((generation, max)), Some(read)) = (self.in_flight.take(), read)
+            && read < max
+        {
+            self.fetched_gen = self.fetched_gen.max(generation);
         }
+    }
+
+    /// When a read of new entries may start, if one waits only for its time.
+    fn fetch_wanted_at_ms(&self) -> Option<i64> {
+        self.can_fetch().then_some(self.fetch_at_ms)
     }
 
     /// Whether the position or the final offsets above it moved since the last commit.
@@ -200,8 +259,18 @@ impl RetryQueue {
         self.pending_sources.keys().next().copied()
     }
 
-    /// The earliest due time among waiting items that could start (ignoring time).
+    /// The earliest time a waiting item could start, or new entries may be
+    /// read (ignoring time).
     pub(crate) fn next_due_ms(&self) -> Option<i64> {
+        let fetch_at = self.fetch_wanted_at_ms();
+        let waiting_due = self.next_waiting_due_ms();
+        match (fetch_at, waiting_due) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    fn next_waiting_due_ms(&self) -> Option<i64> {
         if self.waiting.is_empty() {
             return None;
         }
@@ -354,6 +423,9 @@ mod tests {
     #[test]
     fn key_order_runs_only_the_earliest_item_of_a_key() {
         let mut queue = RetryQueue::new(0, true, 100, vec![]);
+        let (from, _, generation) = queue.start_fetch(0).expect("a new queue reads its partition");
+        assert_eq!(from, 0);
+        queue.fetch_ended(generation, Some(3));
         queue.add_fetched(vec![item("a", 0, 50), item("a", 1, 0), item("b", 2, 0)]);
         // `a`@1 is due but waits behind `a`@0, which is not due yet.
         let taken = queue.take_due(10, |_| true);
@@ -379,6 +451,40 @@ mod tests {
         let a = Some(Bytes::from_static(b"a"));
         queue.complete(&[(0, 100, a.clone()), (1, 101, a)], vec![]);
         assert_eq!(queue.watermark(), 2, "offset 2 is still in progress");
+    }
+
+    #[test]
+    fn new_entries_are_read_together_once_the_first_could_be_due() {
+        let mut queue = RetryQueue::new(0, true, 100, vec![]).with_fetch_delay(5);
+        let (_, max, generation) = queue.start_fetch(0).expect("a new queue reads at once");
+        queue.fetch_ended(generation, Some(0));
+        assert_eq!(queue.start_fetch(1), None, "nothing appended since");
+        assert_eq!(queue.next_due_ms(), None);
+
+        // Three appends: the first starts the wait, the others join it.
+        queue.notify_append(100);
+        queue.notify_append(102);
+        queue.notify_append(104);
+        assert_eq!(queue.next_due_ms(), Some(105));
+        assert_eq!(queue.start_fetch(104), None, "not before the first could be due");
+        let (_, _, generation) = queue.start_fetch(105).expect("one read for all three");
+        // An append during the read is not covered by it: its own wait starts.
+        queue.notify_append(106);
+        queue.fetch_ended(generation, Some(3));
+        assert_eq!(queue.start_fetch(110), None);
+        assert_eq!(queue.next_due_ms(), Some(111));
+        let (_, _, generation) = queue.start_fetch(111).expect("the later append");
+        // A read that filled its capacity may have left more: read again at once.
+        queue.fetch_ended(generation, Some(max));
+        assert!(queue.start_fetch(111).is_some());
+    }
+
+    #[test]
+    fn the_fetch_delay_is_half_the_shortest_first_backoff_and_bounded() {
+        assert_eq!(fetch_delay_ms(10, 1_000), 5);
+        assert_eq!(fetch_delay_ms(10, 4), 2);
+        assert_eq!(fetch_delay_ms(0, 1_000), 0);
+        assert_eq!(fetch_delay_ms(60_000, 600_000), MAX_FETCH_DELAY_MS);
     }
 
     #[test]

@@ -291,12 +291,12 @@ impl Scheduler {
     }
 
     /// Records were appended to task `t`'s source partition (or its retry partition).
-    pub(crate) fn notify_append(&mut self, t: usize, source: bool) {
+    pub(crate) fn notify_append(&mut self, t: usize, source: bool, now_ms: i64) {
         let task = self.task_mut(t);
         if source {
             task.notify_append();
         } else {
-            task.notify_retry_append();
+            task.notify_retry_append(now_ms);
         }
     }
 
@@ -427,7 +427,7 @@ impl Scheduler {
             if let Some(pick) = self.pick_retry(me, now, now_ms) {
                 return pick;
             }
-            if let Some(pick) = self.retry_fetch(me) {
+            if let Some(pick) = self.retry_fetch(me, now_ms) {
                 return pick;
             }
         }
@@ -460,7 +460,7 @@ impl Scheduler {
         if let Some(t) = fetchable {
             return self.fetch(me, t);
         }
-        if let Some(pick) = self.retry_fetch(me) {
+        if let Some(pick) = self.retry_fetch(me, now_ms) {
             return pick;
         }
         if let Some(pick) = self.pick_retry(me, now, now_ms) {
@@ -470,10 +470,10 @@ impl Scheduler {
     }
 
     /// A read of some task's retry partition, where new entries wait there.
-    fn retry_fetch(&mut self, me: usize) -> Option<Pick> {
+    fn retry_fetch(&mut self, me: usize, now_ms: i64) -> Option<Pick> {
         let (t, (from, max, generation)) = (0..self.tasks.len()).find_map(|t| {
             let task = self.tasks[t].as_mut()?;
-            task.start_retry_fetch().map(|fetch| (t, fetch))
+            task.start_retry_fetch(now_ms).map(|fetch| (t, fetch))
         })?;
         Some(Pick::RetryFetch {
             task: t,

@@ -400,8 +400,8 @@ impl Task {
         self.append_gen += 1;
     }
 
-    pub(crate) fn notify_retry_append(&mut self) {
-        self.retry.notify_append();
+    pub(crate) fn notify_retry_append(&mut self, now_ms: i64) {
+        self.retry.notify_append(now_ms);
     }
 
     fn fetch_capacity(&self) -> usize {
@@ -458,21 +458,21 @@ impl Task {
         self.fetch_after
     }
 
-    pub(crate) fn start_retry_fetch(&mut self) -> Option<(u64, usize, u64)> {
+    pub(crate) fn start_retry_fetch(&mut self, now_ms: i64) -> Option<(u64, usize, u64)> {
         if self.restore.is_some() || self.removing {
             return None;
         }
-        self.retry.start_fetch()
+        self.retry.start_fetch(now_ms)
     }
 
     pub(crate) fn finish_retry_fetch(&mut self, generation: u64, items: Result<Vec<RetryItem>, ()>) {
         match items {
             Ok(items) => {
-                self.retry.fetch_ended(generation, !items.is_empty());
+                self.retry.fetch_ended(generation, Some(items.len()));
                 self.retry.add_fetched(items);
             }
-            // Tried again at the next append or pick; a failed read moves nothing.
-            Err(()) => self.retry.fetch_ended(generation, true),
+            // Tried again at the next pick; a failed read moves nothing.
+            Err(()) => self.retry.fetch_ended(generation, None),
         }
     }
 

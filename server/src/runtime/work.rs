@@ -339,17 +339,23 @@ impl WorkQueue {
                 while records.len() < cap {
                     let Some(record) = queue.pop_front() else { break };
                     self.queued -= 1;
-                    let gated = self.gating != Gating::Off && self.gate.gates(&record);
-                    if !gated {
+                    if self.gating == Gating::Off || self.gate.keys.is_empty() {
+                        records.push(record);
+                        continue;
+                    }
+                    // Within the budget, one lookup both asks and holds.
+                    if self.gating == Gating::Hold && self.gate.held_records < self.hold.budget {
+                        if let Some(free) = self.gate.hold_if_gated(record) {
+                            records.push(free);
+                        }
+                        continue;
+                    }
+                    if !self.gate.gates(&record) {
                         records.push(record);
                         continue;
                     }
                     let key = record.key.clone().unwrap_or_default();
                     if self.gating == Gating::Hold {
-                        if self.gate.held_records < self.hold.budget {
-                            self.gate.hold(&key, record);
-                            continue;
-                        }
                         if self.pause == HoldPause::None {
                             self.pause = HoldPause::Since(now);
                         }
@@ -472,11 +478,14 @@ impl KeyGate {
         !self.keys.is_empty() && record.key.as_ref().is_some_and(|k| self.keys.contains_key(k))
     }
 
-    fn hold(&mut self, key: &Bytes, record: Record) {
-        if let Some(entry) = self.keys.get_mut(key) {
-            entry.held.push_back(record);
-            self.held_records += 1;
-        }
+    /// Holds `record` if its key is gated; otherwise hands it back.
+    fn hold_if_gated(&mut self, record: Record) -> Option<Record> {
+        let Some(entry) = record.key.as_ref().and_then(|key| self.keys.get_mut(key)) else {
+            return Some(record);
+        };
+        entry.held.push_back(record);
+        self.held_records += 1;
+        None
     }
 
     fn take_held(&mut self, key: &Bytes) -> VecDeque<Record> {

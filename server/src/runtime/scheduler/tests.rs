@@ -244,7 +244,7 @@ fn a_retry_never_runs_before_its_first_outcome_is_published() {
     // Thread 0 fails the record and has appended it to the retry topic; the
     // retry topic is read by thread 1 before thread 0 completes its unit.
     let item = failed_item(&log[0], 0);
-    s.notify_append(task, false);
+    s.notify_append(task, false, 0);
     match s.pick(1, now, 1_000) {
         Pick::RetryFetch { task, generation, .. } => {
             s.finish_retry_fetch(1, task, generation, Ok(vec![item]))
@@ -303,7 +303,7 @@ fn key_order_holds_a_failed_keys_later_records_until_its_retry_is_final() {
     );
     // Two more records of `k` arrive: held, not handed out, not parked.
     let log = vec![record(0, 0, "k"), record(0, 1, "k"), record(0, 2, "k")];
-    s.notify_append(task, true);
+    s.notify_append(task, true, 0);
     for _ in 0..4 {
         assert!(
             pick_unit(&mut s, 0, &log, now).is_none(),
@@ -450,7 +450,7 @@ fn failed_item(record: &Record, retry_offset: u64) -> RetryItem {
 
 /// Thread `thread` reads `item` from the retry topic, runs it and succeeds.
 fn retry_succeeds(s: &mut Scheduler, thread: usize, task: usize, item: RetryItem, now: Instant) {
-    s.notify_append(task, false);
+    s.notify_append(task, false, 0);
     let mut item = Some(item);
     for _ in 0..10 {
         match s.pick(thread, now, 1_000) {
@@ -696,7 +696,7 @@ impl Model {
                     model.log.push(record(p, o, &key));
                 }
                 if let Some(index) = self.s.task_index(PIPELINE, p) {
-                    self.s.notify_append(index, true);
+                    self.s.notify_append(index, true, 0);
                 }
             }
             Op::Complete(_) | Op::CompletePart(..) | Op::Crash(_) => {}
