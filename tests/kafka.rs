@@ -547,6 +547,57 @@ fn two_instances_share_partitions_with_the_classic_protocol() {
     two_instances_share_partitions(taskstream_server::GroupProtocol::Classic);
 }
 
+/// A fresh application's tasks are added, and its partitions read, without
+/// waiting behind fetches. A broker answers one connection's requests one at
+/// a time, in order, and holds a fetch of a partition with nothing new for
+/// `fetch.wait.max.ms`; adding a task asks for four partition offsets, and
+/// when those went over the connection of the consumer that reads the
+/// metadata topic (caught up, so always held), each waited for that fetch.
+/// Held 20 s here, that was minutes for 16 tasks (at the default 100 ms, 7 s:
+/// bench scenario `peers`); asked on a connection that never fetches, moments.
+#[test]
+fn a_fresh_application_adds_its_tasks_without_waiting_behind_held_fetches() {
+    use taskstream_server::{ProducerRecord, StreamsApp};
+    const PARTITIONS: u32 = 16;
+    let Some(broker) = broker() else { return };
+    let application = unique("held-fetches");
+    let topic = format!("{application}-events");
+    let mut config = group_config(
+        broker,
+        &application,
+        &topic,
+        PARTITIONS,
+        taskstream_server::GroupProtocol::Consumer,
+    );
+    config.kafka.insert("fetch.wait.max.ms".into(), "20000".into());
+    let app = StreamsApp::builder(config).start().expect("start");
+    let records: Vec<ProducerRecord> = (0..PARTITIONS)
+        .flat_map(|p| {
+            (0..5).map(move |i| ProducerRecord {
+                partition: Some(p),
+                ..ProducerRecord::keyed(format!("p{p}-k{i}"), "1")
+            })
+        })
+        .collect();
+    let expected = records.len() as u64;
+    app.produce(&topic, records).expect("produce");
+    // Within DEADLINE: each query waiting for a held fetch would take 20 s.
+    eventually("all 16 tasks added and every record counted", || {
+        let counted: u64 = app
+            .query_range("counts", None, None, &[], 0)
+            .map(|results| {
+                results
+                    .iter()
+                    .flat_map(|r| &r.entries)
+                    .map(|(_, v)| String::from_utf8_lossy(v).parse::<u64>().unwrap_or(0))
+                    .sum()
+            })
+            .unwrap_or(0);
+        app.hosted_partitions("counts").unwrap().len() == PARTITIONS as usize && counted == expected
+    });
+    app.shutdown().expect("shutdown");
+}
+
 /// While an instance rebalances or restores, DescribeRuntime says so as
 /// Kafka Streams names it (REBALANCING until the group's first assignment,
 /// RESTORING while a task rebuilds its store from the changelog, the task

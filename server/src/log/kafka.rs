@@ -1,9 +1,10 @@
 //! `KafkaLog`: the `Log` trait on Apache Kafka through rdkafka (bundled
 //! librdkafka). It owns one producer, one reader consumer (manual assignment,
-//! one queue per partition), an admin client, one committing consumer per
-//! group it is not a member of, and, once it joins the application's consumer
-//! group (`join_group`, see `kafka_group`), the group's consumer; each call of
-//! the trait is a blocking call on them.
+//! one queue per partition), a consumer that only asks (metadata and
+//! watermarks), an admin client, one committing consumer per group it is not
+//! a member of, and, once it joins the application's consumer group
+//! (`join_group`, see `kafka_group`), the group's consumer; each call of the
+//! trait is a blocking call on them.
 //!
 //! How it maps the trait:
 //! - `ensure_topic` creates a missing topic through the admin client, with
@@ -103,6 +104,18 @@ const READER_DEFAULTS: &[(&str, &str)] = &[
     ("fetch.wait.max.ms", "100"),
 ];
 
+/// The client id of the consumer that asks for metadata and watermarks.
+///
+/// It never reads records, because a broker answers one connection's requests
+/// one at a time, in order. Asked through the reader, whose connection
+/// carries fetches the broker holds up to `fetch.wait.max.ms` (100 ms) while
+/// the partitions it reads have nothing new (the metadata topic, always), a
+/// watermark query took 105 ms instead of 2. Adding a task asks four (its
+/// topic's and retry topic's start, its changelog's start and end), and a
+/// rebalance adds its tasks before it assigns their partitions: 16
+/// partitions waited 7.1 s for their first fetch (bench scenario `peers`).
+const QUERIES_CLIENT_ID: &str = "taskstream-queries";
+
 /// What the producer is set up with unless a `[kafka]` table says otherwise.
 const PRODUCER_DEFAULTS: &[(&str, &str)] = &[("enable.idempotence", "true"), ("linger.ms", "5")];
 
@@ -116,6 +129,9 @@ pub struct KafkaLog {
     admin: AdminClient<ClientLog>,
     producer: ThreadedProducer<DeliveryContext>,
     reader: Arc<BaseConsumer<ClientLog>>,
+    /// Asks for metadata and watermarks, and nothing else (see
+    /// `QUERIES_CLIENT_ID`).
+    queries: Arc<BaseConsumer<ClientLog>>,
     /// One reader per topic partition read so far, each behind its own lock:
     /// the group's queue for a partition the group assigned here, else the
     /// reader consumer's.
@@ -294,8 +310,17 @@ impl KafkaLog {
             .set("allow.auto.create.topics", "false")
             .create_with_context(ClientLog)
             .map_err(client_error("reader consumer"))?;
+        // A group id only because librdkafka's consumer polling wants one:
+        // like the reader, it never joins or commits.
+        let queries: BaseConsumer<ClientLog> = base(&[])
+            .set("client.id", QUERIES_CLIENT_ID)
+            .set("group.id", READER_GROUP)
+            .set("enable.auto.commit", "false")
+            .set("allow.auto.create.topics", "false")
+            .create_with_context(ClientLog)
+            .map_err(client_error("query consumer"))?;
         // Fail at start, not at the first record, when the cluster is unreachable.
-        reader
+        queries
             .fetch_metadata(None, REQUEST_TIMEOUT)
             .map_err(|e| LogError::Unavailable(format!("cannot reach Kafka at {bootstrap}: {e}")))?;
 
@@ -308,6 +333,7 @@ impl KafkaLog {
             admin,
             producer,
             reader: Arc::new(reader),
+            queries: Arc::new(queries),
             partition_readers: Mutex::new(HashMap::new()),
             committers: Mutex::new(HashMap::new()),
             transactions: RwLock::new(HashMap::new()),
@@ -375,6 +401,9 @@ impl KafkaLog {
                             tracing::warn!(error = %e, "kafka committer");
                         }
                     }
+                    if let Some(Err(e)) = log.queries.poll(Duration::ZERO) {
+                        tracing::warn!(error = %e, "kafka query consumer");
+                    }
                     let reader = log.reader.clone();
                     drop(log);
                     // Blocks up to 100 ms: also how soon a dropped log is noticed.
@@ -420,7 +449,7 @@ impl KafkaLog {
     /// metadata says.
     fn has_leaders(&self, topic: &str) -> Result<bool, LogError> {
         let metadata = self
-            .reader
+            .queries
             .fetch_metadata(Some(topic), REQUEST_TIMEOUT)
             .map_err(unavailable("metadata"))?;
         Ok(metadata.topics().iter().any(|t| {
@@ -436,7 +465,7 @@ impl KafkaLog {
     /// Asks the cluster; `None` when the topic does not exist.
     fn refresh_partition_count(&self, topic: &str) -> Result<Option<u32>, LogError> {
         let metadata = self
-            .reader
+            .queries
             .fetch_metadata(Some(topic), REQUEST_TIMEOUT)
             .map_err(unavailable("metadata"))?;
         let Some(found) = metadata.topics().iter().find(|t| t.name() == topic) else {
@@ -598,7 +627,7 @@ impl KafkaLog {
         let deadline = Instant::now() + REQUEST_TIMEOUT;
         loop {
             match self
-                .reader
+                .queries
                 .fetch_watermarks(topic, partition as i32, REQUEST_TIMEOUT)
             {
                 Ok((low, high)) => return Ok((low.max(0) as u64, high.max(0) as u64)),
