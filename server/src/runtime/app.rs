@@ -9,6 +9,7 @@ use super::builder::AppBuilder;
 use super::pages::check_range_order;
 use super::shared::Shared;
 use super::subscription::{EndAt, OutcomeSubscription, PartitionRange, StartAt, SubscribeRequest};
+use super::task::TaskInit;
 use super::{RuntimeError, commit, describe, driver, recovery};
 use crate::config::{Config, ProcessingOrder};
 use crate::log::{Log, ProducerRecord, RecordPosition, partition_for_key};
@@ -18,7 +19,8 @@ use crate::metadata::{
 };
 use bytes::Bytes;
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub(crate) struct AppInner {
@@ -409,6 +411,8 @@ impl StreamsApp {
     /// UNAVAILABLE) and begins at its committed offset — or at `start[p]`,
     /// for a task without a checkpoint of its own (a persistent store that
     /// has committed resumes at its checkpoint, which its data is as of).
+    /// The tasks are planned side by side; if one cannot be, the others are
+    /// added all the same and the first failure is answered.
     pub fn add_tasks(
         &self,
         store: &str,
@@ -548,7 +552,15 @@ impl StreamsApp {
     }
 }
 
-/// `StreamsApp::add_tasks`, for the app and its group membership.
+/// How many tasks `add_tasks` plans at once. Planning a task mostly waits
+/// for the log (on Kafka a round trip each for its offsets, its committed
+/// positions and its changelog's end), and a group's assignment adds every
+/// task it brings before any of their partitions is fetched: one after
+/// another, those waits add up with the partitions.
+const PLANNERS: usize = 16;
+
+/// `StreamsApp::add_tasks`, for the app and its group membership: the tasks
+/// are planned side by side (`PLANNERS`) and added in the order asked.
 pub(crate) fn add_tasks(
     shared: &Shared,
     store: &str,
@@ -567,13 +579,79 @@ pub(crate) fn add_tasks(
             ));
         }
     }
+    // Once each: two plans of one task would open its store twice.
+    let mut unique = Vec::with_capacity(partitions.len());
     for &partition in partitions {
-        let init = recovery::plan(shared, p, partition, start.get(&partition).copied())?;
-        let mut scheduler = shared.lock();
-        scheduler.add_task(init);
-        shared.wake.notify_all();
+        if !unique.contains(&partition) {
+            unique.push(partition);
+        }
     }
-    Ok(())
+    // Planned without the scheduler's lock: the running tasks go on meanwhile.
+    let plans = plan_tasks(shared, p, &unique, start);
+    let mut failed = None;
+    let mut scheduler = shared.lock();
+    for plan in plans {
+        match plan {
+            Ok(init) => {
+                scheduler.add_task(init);
+            }
+            Err(e) => {
+                failed.get_or_insert(e);
+            }
+        }
+    }
+    drop(scheduler);
+    shared.wake.notify_all();
+    failed.map_or(Ok(()), Err)
+}
+
+/// Plans the tasks of `partitions` of pipeline `p`, up to `PLANNERS` at
+/// once; the plans in the order of `partitions`.
+fn plan_tasks(
+    shared: &Shared,
+    p: usize,
+    partitions: &[u32],
+    start: &BTreeMap<u32, u64>,
+) -> Vec<Result<TaskInit, RuntimeError>> {
+    let plan = |partition: u32| recovery::plan(shared, p, partition, start.get(&partition).copied());
+    if partitions.len() < 2 {
+        return partitions.iter().map(|&partition| plan(partition)).collect();
+    }
+    let next = AtomicUsize::new(0);
+    let plans: Vec<Mutex<Option<Result<TaskInit, RuntimeError>>>> =
+        partitions.iter().map(|_| Mutex::new(None)).collect();
+    // Each planner takes the next partition until none is left.
+    let work = || {
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(&partition) = partitions.get(i) else {
+                break;
+            };
+            let planned = plan(partition);
+            *plans[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(planned);
+        }
+    };
+    std::thread::scope(|scope| {
+        for _ in 1..PLANNERS.min(partitions.len()) {
+            let spawned = std::thread::Builder::new()
+                .name("task-planner".into())
+                .spawn_scoped(scope, work);
+            if let Err(e) = spawned {
+                // The threads there are (this one at least) plan the rest.
+                tracing::warn!(error = %e, "cannot start a thread to plan tasks; planning fewer at once");
+                break;
+            }
+        }
+        work();
+    });
+    plans
+        .into_iter()
+        .map(|slot| {
+            slot.into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+                .unwrap_or_else(|| Err(RuntimeError::Internal("a task was left unplanned".into())))
+        })
+        .collect()
 }
 
 /// `StreamsApp::remove_tasks`, for the app and its group membership.

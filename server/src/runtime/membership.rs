@@ -36,12 +36,12 @@ impl GroupListener for Membership {
         };
         shared.set_rebalancing(true);
         for (p, pipeline) in shared.pipelines.iter().enumerate() {
-            for (_, partition) in partitions.iter().filter(|(t, _)| **t == *pipeline.topic) {
-                if shared.lock().task_index(p, *partition).is_some() {
-                    continue;
-                }
-                add_task(&shared, &pipeline.name, *partition);
-            }
+            let assigned: Vec<u32> = partitions
+                .iter()
+                .filter(|(t, _)| **t == *pipeline.topic)
+                .map(|(_, partition)| *partition)
+                .collect();
+            add_tasks(&shared, p, &pipeline.name, &assigned);
         }
         // Where each partition's queue starts: its tasks' first read (the
         // lowest, when several pipelines read one topic).
@@ -119,27 +119,40 @@ impl GroupListener for Membership {
     }
 }
 
-/// Adds the task of `partition` of pipeline `store`, trying again while its
-/// recovery fails for a passing reason: an assigned partition without a
-/// task would never be processed until the next rebalance.
-fn add_task(shared: &Shared, store: &str, partition: u32) {
+/// Adds the tasks of `partitions` of pipeline `store` (index `p`) that are
+/// not here yet, all in one call (planned side by side: see
+/// `app::add_tasks`), trying again for those whose recovery failed for a
+/// passing reason: an assigned partition without a task would never be
+/// processed until the next rebalance.
+fn add_tasks(shared: &Shared, p: usize, store: &str, partitions: &[u32]) {
     let deadline = Instant::now() + ADD_DEADLINE;
     let mut pause = Duration::from_millis(50);
     loop {
-        match app::add_tasks(shared, store, &[partition], &BTreeMap::new()) {
+        let missing: Vec<u32> = {
+            let scheduler = shared.lock();
+            partitions
+                .iter()
+                .copied()
+                .filter(|&partition| scheduler.task_index(p, partition).is_none())
+                .collect()
+        };
+        if missing.is_empty() {
+            return;
+        }
+        match app::add_tasks(shared, store, &missing, &BTreeMap::new()) {
             Ok(()) => return,
             Err(e @ (RuntimeError::Unavailable { .. } | RuntimeError::Internal(_)))
                 if Instant::now() < deadline
                     && matches!(shared.app_state(), AppState::Running | AppState::Starting) =>
             {
-                tracing::warn!(store, partition, error = %e, "adding an assigned task failed; trying again");
+                tracing::warn!(store, partitions = ?missing, error = %e, "adding assigned tasks failed; trying again for those missing");
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_secs(2));
             }
             Err(e) => {
                 tracing::error!(
-                    store, partition, error = %e,
-                    "cannot add the task of an assigned partition; it waits for the next rebalance"
+                    store, partitions = ?missing, error = %e,
+                    "cannot add the tasks of assigned partitions; those missing wait for the next rebalance"
                 );
                 return;
             }
