@@ -9,7 +9,7 @@
 
 use crate::log::Record;
 use bytes::Bytes;
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
 /// Sets and maps of record keys inside the runtime (the key gate, the keys
@@ -131,9 +131,44 @@ struct Lane {
     busy: bool,
 }
 
+impl Lane {
+    /// Its key in `Units::Lanes::ready`: the offset of its first record,
+    /// while it is free and has records.
+    fn ready_at(&self) -> Option<u64> {
+        if self.busy {
+            None
+        } else {
+            self.queue.front().map(|r| r.offset)
+        }
+    }
+}
+
+/// The lanes that could give a unit (free, with records), by the offset of
+/// their first record: the oldest is the first, and counting or finding them
+/// does not scan every lane (16 per thread: 1,024 at T = 64, scanned under the
+/// scheduler's lock on every pick otherwise). Each change of a lane's
+/// `ready_at` goes through `unready` before and `reready` after it.
+type Ready = BTreeSet<(u64, usize)>;
+
+fn unready(ready: &mut Ready, lanes: &[Lane], lane: usize) {
+    if let Some(offset) = lanes[lane].ready_at() {
+        ready.remove(&(offset, lane));
+    }
+}
+
+fn reready(ready: &mut Ready, lanes: &[Lane], lane: usize) {
+    if let Some(offset) = lanes[lane].ready_at() {
+        ready.insert((offset, lane));
+    }
+}
+
 enum Units {
     Ranges(VecDeque<Vec<Record>>),
-    Lanes { lanes: Vec<Lane>, cursor: usize },
+    Lanes {
+        lanes: Vec<Lane>,
+        cursor: usize,
+        ready: Ready,
+    },
 }
 
 /// Keys with records on the retry path, and (`Hold`) their later records kept here.
@@ -181,6 +216,7 @@ impl WorkQueue {
             Units::Lanes {
                 lanes: (0..count).map(|_| Lane::default()).collect(),
                 cursor: 0,
+                ready: Ready::new(),
             }
         } else {
             Units::Ranges(VecDeque::new())
@@ -229,11 +265,16 @@ impl WorkQueue {
                     ranges.push_back(records.by_ref().take(size).collect());
                 }
             }
-            Units::Lanes { lanes, .. } => {
+            Units::Lanes { lanes, ready, .. } => {
                 let n = lanes.len();
                 for record in records {
                     let lane = lane_of(&record, n);
+                    // Only a lane's first record is its key in `ready`.
+                    let first = lanes[lane].queue.is_empty();
                     lanes[lane].queue.push_back(record);
+                    if first {
+                        reready(ready, lanes, lane);
+                    }
                 }
             }
         }
@@ -243,12 +284,15 @@ impl WorkQueue {
     pub(crate) fn startable_units(&self, now: Instant) -> usize {
         match &self.units {
             Units::Ranges(ranges) => ranges.len(),
-            Units::Lanes { lanes, .. } => {
-                let pausing = self.pausing(now);
-                lanes
-                    .iter()
-                    .filter(|l| !l.busy && l.queue.front().is_some_and(|r| !(pausing && self.gate.gates(r))))
-                    .count()
+            Units::Lanes { lanes, ready, .. } => {
+                if self.pausing(now) {
+                    ready
+                        .iter()
+                        .filter(|&&(_, lane)| lanes[lane].queue.front().is_some_and(|r| !self.gate.gates(r)))
+                        .count()
+                } else {
+                    ready.len()
+                }
             }
         }
     }
@@ -313,26 +357,34 @@ impl WorkQueue {
                     lane: None,
                 }
             }
-            Units::Lanes { lanes, cursor } => {
+            Units::Lanes { lanes, cursor, ready } => {
+                debug_assert!(
+                    ready.iter().copied().eq((0..lanes.len())
+                        .filter_map(|i| Some((lanes[i].ready_at()?, i)))
+                        .collect::<Ready>()),
+                    "the ready lanes are those free with records"
+                );
                 let n = lanes.len();
                 let pausing = matches!(self.pause, HoldPause::Since(_));
                 let gate = &self.gate;
-                let candidates = (0..n).map(|i| (*cursor + i) % n).filter(|&i| {
-                    !lanes[i].busy
-                        && lanes[i]
-                            .queue
-                            .front()
-                            .is_some_and(|r| !(pausing && gate.gates(r)))
-                });
+                let startable = |i: usize| {
+                    lanes[i]
+                        .queue
+                        .front()
+                        .is_some_and(|r| !(pausing && gate.gates(r)))
+                };
                 let lane = if self.oldest_first {
-                    candidates.min_by_key(|&i| lanes[i].queue.front().map_or(u64::MAX, |r| r.offset))?
+                    ready.iter().map(|&(_, i)| i).find(|&i| startable(i))?
                 } else {
                     // Longest first: lanes are serial, so the longest decides
                     // when the task finishes (LPT); ties go round the cursor.
-                    candidates
+                    (0..n)
+                        .map(|i| (*cursor + i) % n)
+                        .filter(|&i| !lanes[i].busy && startable(i))
                         .max_by_key(|&i| (lanes[i].queue.len(), std::cmp::Reverse((i + n - *cursor) % n)))?
                 };
                 *cursor = (lane + 1) % n;
+                unready(ready, lanes, lane);
                 let queue = &mut lanes[lane].queue;
                 let mut records = Vec::with_capacity(cap.min(queue.len()));
                 let mut park = Vec::new();
@@ -378,6 +430,7 @@ impl WorkQueue {
                 if records.is_empty() {
                     // Everything was held, or the lane pauses: it stays free
                     // for what comes next, and another lane may have work.
+                    reready(ready, lanes, lane);
                     return self.take_unit(now);
                 }
                 lanes[lane].busy = true;
@@ -407,12 +460,13 @@ impl WorkQueue {
     pub(crate) fn give_back(&mut self, lane: Option<usize>, returned: Vec<Record>) {
         self.queued += returned.len();
         match (&mut self.units, lane) {
-            (Units::Lanes { lanes, .. }, Some(lane)) => {
-                let lane = &mut lanes[lane];
+            (Units::Lanes { lanes, ready, .. }, Some(i)) => {
+                let lane = &mut lanes[i];
                 lane.busy = false;
                 for record in returned.into_iter().rev() {
                     lane.queue.push_front(record);
                 }
+                reready(ready, lanes, i);
             }
             (Units::Ranges(ranges), _) => {
                 if !returned.is_empty() {
@@ -445,12 +499,14 @@ impl WorkQueue {
             return;
         };
         self.gate.held_records -= entry.held.len();
-        if let Units::Lanes { lanes, .. } = &mut self.units {
+        if let Units::Lanes { lanes, ready, .. } = &mut self.units {
             self.queued += entry.held.len();
             let n = lanes.len();
             for record in entry.held.into_iter().rev() {
                 let lane = lane_of(&record, n);
+                unready(ready, lanes, lane);
                 lanes[lane].queue.push_front(record);
+                reready(ready, lanes, lane);
             }
         }
     }
@@ -461,7 +517,10 @@ impl WorkQueue {
         let dropped = self.queued + self.gate.held_records;
         match &mut self.units {
             Units::Ranges(ranges) => ranges.clear(),
-            Units::Lanes { lanes, .. } => lanes.iter_mut().for_each(|l| l.queue.clear()),
+            Units::Lanes { lanes, ready, .. } => {
+                lanes.iter_mut().for_each(|l| l.queue.clear());
+                ready.clear();
+            }
         }
         for entry in self.gate.keys.values_mut() {
             entry.held.clear();
@@ -573,6 +632,43 @@ mod tests {
             work.give_back(lane, Vec::new());
         }
         assert!(work.take_unit(now).is_some(), "lanes are free again");
+    }
+
+    #[test]
+    fn offset_order_takes_the_free_lane_with_the_oldest_record_first() {
+        let now = Instant::now();
+        let lanes = 2 * LANES_PER_THREAD;
+        let mut work = WorkQueue::new(true, true, Gating::Park, 2, 500, limits(0));
+        let keys: Vec<String> = (0..8).map(|k| format!("key-{k}")).collect();
+        let all: Vec<Record> = (0..64).map(|o| record(&keys[o as usize % 8], o)).collect();
+        let lane = |offset: u64| lane_of(&all[offset as usize], lanes);
+        work.push_fetched(all.clone());
+        let used: std::collections::HashSet<usize> = (0..64).map(lane).collect();
+        assert_eq!(work.startable_units(now), used.len());
+        // Each unit starts at the oldest record of a lane no running unit holds.
+        let first = work.take_unit(now).unwrap();
+        assert_eq!(first.records[0].offset, 0);
+        let second = work.take_unit(now).unwrap();
+        let oldest_free =
+            |done: &[u64], busy: &[usize]| (0..64).find(|&o| !done.contains(&o) && !busy.contains(&lane(o)));
+        let taken: Vec<u64> = first.records.iter().map(|r| r.offset).collect();
+        assert_eq!(Some(second.records[0].offset), oldest_free(&taken, &[]));
+        assert_eq!(work.startable_units(now), used.len() - 2);
+        // The first unit ran one record and gave the rest back: its lane is
+        // free again, with the rest first.
+        work.give_back(first.lane, first.records[1..].to_vec());
+        let third = work.take_unit(now).unwrap();
+        let busy = [lane(second.records[0].offset)];
+        assert_eq!(Some(third.records[0].offset), oldest_free(&[0], &busy));
+        work.give_back(second.lane, Vec::new());
+        work.give_back(third.lane, Vec::new());
+        // Units that ran to their end free their lanes for the rest.
+        while let Some(unit) = work.take_unit(now) {
+            assert!(!unit.records.is_empty());
+            work.give_back(unit.lane, Vec::new());
+        }
+        assert_eq!(work.startable_units(now), 0);
+        assert_eq!(work.clear(), 0, "every record was taken");
     }
 
     #[test]
