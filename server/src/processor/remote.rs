@@ -6,10 +6,13 @@
 //! processor's outage state: an unreachable processor fails no record, the
 //! caller gives its records back and later calls wait with backoff.
 
+mod callers;
+
 use super::ProcessError;
 use crate::config::GrpcProcessorSpec;
 use crate::log::{ProducerRecord, Record};
 use bytes::Bytes;
+use callers::Callers;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -69,7 +72,7 @@ pub type RecordResult = Result<Effects, ProcessError>;
 /// One call: records of one task, in processing order, with the state of
 /// their keys when the pipeline includes it.
 pub struct Call<'a> {
-    pub task_id: &'a str,
+    pub task_id: &'a Arc<str>,
     pub partition: u32,
     pub attempt: u32,
     /// `processing_timeout_ms` from now, if there is a limit.
@@ -169,7 +172,8 @@ pub struct RemoteProcessor {
     pipeline: Arc<str>,
     source_topic: Arc<str>,
     runtime: Arc<RemoteRuntime>,
-    client: ProcessorServiceClient<Channel>,
+    /// The tasks that make the calls, one per thread calling at once.
+    callers: Callers,
     /// Invariant: `outage` is `Some` exactly from a call that could not reach
     /// the processor until the next call that got an answer (of any kind).
     reachability: Mutex<Reachability>,
@@ -196,7 +200,7 @@ impl RemoteProcessor {
             pipeline: pipeline.into(),
             source_topic: source_topic.into(),
             runtime,
-            client,
+            callers: Callers::new(client),
             reachability: Mutex::new(Reachability::default()),
             in_outage: AtomicBool::new(false),
             waiting: tokio::sync::watch::Sender::new(false),
@@ -253,32 +257,12 @@ impl RemoteProcessor {
     pub fn call(&self, call: &Call<'_>) -> Result<Vec<RecordResult>, Unreachable> {
         self.wait_for_probe()?;
         let request = self.request(call);
-        let mut client = self.client.clone();
         let timeout = call.timeout;
-        // `None`: the deadline passed on this side before any answer. The
-        // call runs as a task of the runtime, whose workers drive the
-        // connection anyway, and this thread waits for its end only: blocking
-        // on the call itself would wake this thread for each part of the
-        // answer (headers, message, trailers), a context switch each.
-        let handle = self.runtime.handle();
-        let call_task = handle.spawn(async move {
-            let mut request = tonic::Request::new(request);
-            match timeout {
-                Some(limit) => {
-                    request.set_timeout(limit);
-                    tokio::time::timeout(limit, client.process(request)).await.ok()
-                }
-                None => Some(client.process(request).await),
-            }
-        });
-        let answer = match handle.block_on(call_task) {
-            Ok(answer) => answer,
-            // The task panicked or the runtime is shutting down: no answer,
-            // and nothing says the processor saw the records.
-            Err(error) => Some(Err(tonic::Status::unavailable(format!(
-                "the call did not complete: {error}"
-            )))),
-        };
+        // The call runs on the runtime, whose workers drive the connection
+        // anyway, and this thread waits for its end only: blocking on the
+        // call itself would wake this thread for each part of the answer
+        // (headers, message, trailers), a context switch each.
+        let answer = self.callers.call(self.runtime.handle(), request, timeout);
         match answer {
             None => {
                 let error = timed_out(timeout);
@@ -286,7 +270,7 @@ impl RemoteProcessor {
             }
             Some(Ok(response)) => {
                 self.reached();
-                Ok(results(call.records, response.into_inner()))
+                Ok(results(call.records, response))
             }
             Some(Err(status)) => match classify(&status, timeout) {
                 Some(failure) => {
@@ -383,14 +367,15 @@ impl RemoteProcessor {
         }
     }
 
-    fn request(&self, call: &Call<'_>) -> pb::ProcessRequest {
+    fn request(&self, call: &Call<'_>) -> callers::Request {
         let deadline_ms = call
             .timeout
             .map_or(0, |t| crate::runtime::now_ms() + t.as_millis() as i64);
-        pb::ProcessRequest {
-            pipeline: self.pipeline.to_string(),
-            task: call.task_id.to_string(),
-            source_topic: self.source_topic.to_string(),
+        let message = pb::ProcessRequest {
+            // Written by the caller task (see `callers::Request`).
+            pipeline: String::new(),
+            task: String::new(),
+            source_topic: String::new(),
             partition: call.partition,
             attempt: call.attempt,
             deadline_ms,
@@ -420,6 +405,12 @@ impl RemoteProcessor {
                     value: value.clone(),
                 })
                 .collect(),
+        };
+        callers::Request {
+            message,
+            pipeline: self.pipeline.clone(),
+            task: call.task_id.clone(),
+            source_topic: self.source_topic.clone(),
         }
     }
 }
@@ -486,16 +477,33 @@ fn results(records: &[&Record], response: pb::ProcessResponse) -> Vec<RecordResu
         );
         return records.iter().map(|_| Err(error.clone())).collect();
     }
-    let keys: HashSet<&[u8]> = records.iter().filter_map(|r| r.key.as_deref()).collect();
+    let mut keys = CallKeys { records, set: None };
     response
         .results
         .into_iter()
         .zip(records)
-        .map(|(result, record)| record_result(result, record, &keys))
+        .map(|(result, record)| record_result(result, record, &mut keys))
         .collect()
 }
 
-fn record_result(result: pb::RecordResult, record: &Record, keys: &HashSet<&[u8]>) -> RecordResult {
+/// The keys of a call's records, hashed at the first state op only: most
+/// answers have none, and hashing every key of every call showed in the cost
+/// of a record.
+struct CallKeys<'a> {
+    records: &'a [&'a Record],
+    set: Option<HashSet<&'a [u8]>>,
+}
+
+impl CallKeys<'_> {
+    fn contains(&mut self, key: &[u8]) -> bool {
+        let records = self.records;
+        self.set
+            .get_or_insert_with(|| records.iter().filter_map(|r| r.key.as_deref()).collect())
+            .contains(key)
+    }
+}
+
+fn record_result(result: pb::RecordResult, record: &Record, keys: &mut CallKeys<'_>) -> RecordResult {
     use pb::record_result::Result as Answer;
     use pb::state_op::Op;
     match result.result {
@@ -710,7 +718,7 @@ mod tests {
             RemoteProcessor::new(GrpcProcessorSpec::new("http://127.0.0.1:1"), "p", "t", runtime).unwrap();
         let a = record(0, "a");
         let call = Call {
-            task_id: "p_0",
+            task_id: &Arc::from("p_0"),
             partition: 0,
             attempt: 1,
             timeout: Some(Duration::from_secs(5)),
