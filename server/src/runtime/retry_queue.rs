@@ -22,7 +22,6 @@ pub(crate) struct RetryQueue {
     /// Items of one key run one at a time, in retry-offset order (`offset`
     /// and `key` order: the records parked behind a failed one wait for it).
     keyed: bool,
-    fetching: bool,
     /// Bumped by every append to the retry partition; equal to `fetched_gen`
     /// once a fetch read everything appended before it started, so an idle
     /// retry topic is not polled.
@@ -87,7 +86,6 @@ impl RetryQueue {
             busy_keys: KeySet::default(),
             in_progress: 0,
             keyed,
-            fetching: false,
             append_gen: 1,
             fetched_gen: 0,
             in_flight: None,
@@ -168,7 +166,7 @@ impl RetryQueue {
     }
 
     pub(crate) fn is_fetching(&self) -> bool {
-        self.fetching
+        self.in_flight.is_some()
     }
 
     /// Records were appended to the retry partition at `now_ms`.
@@ -188,7 +186,6 @@ impl RetryQueue {
         if !self.can_fetch() || now_ms < self.fetch_at_ms {
             return None;
         }
-        self.fetching = true;
         let max = self.fetch_capacity();
         self.in_flight = Some((self.append_gen, max));
         Some((self.seq.fetched_end(), max, self.append_gen))
@@ -203,7 +200,6 @@ impl RetryQueue {
             Some(generation),
             "the read that ends is the one under way"
         );
-        self.fetching = false;
         if let (Some((generation, max)), Some(read)) = (self.in_flight.take(), read)
             && read < max
         {
@@ -233,7 +229,7 @@ impl RetryQueue {
     }
 
     fn can_fetch(&self) -> bool {
-        !self.fetching && self.append_gen != self.fetched_gen && self.seq.span() < self.window
+        self.in_flight.is_none() && self.append_gen != self.fetched_gen && self.seq.span() < self.window
     }
 
     fn fetch_capacity(&self) -> usize {

@@ -499,15 +499,17 @@ impl WorkQueue {
             return;
         };
         self.gate.held_records -= entry.held.len();
-        if let Units::Lanes { lanes, ready, .. } = &mut self.units {
+        if let Units::Lanes { lanes, ready, .. } = &mut self.units
+            && let Some(first) = entry.held.front()
+        {
             self.queued += entry.held.len();
-            let n = lanes.len();
+            // Held records are all of this key, so all of one lane.
+            let lane = lane_of(first, lanes.len());
+            unready(ready, lanes, lane);
             for record in entry.held.into_iter().rev() {
-                let lane = lane_of(&record, n);
-                unready(ready, lanes, lane);
                 lanes[lane].queue.push_front(record);
-                reready(ready, lanes, lane);
             }
+            reready(ready, lanes, lane);
         }
     }
 
