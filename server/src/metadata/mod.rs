@@ -278,7 +278,10 @@ pub struct OutcomeBatch {
     pub topic: Arc<str>,
     pub partition: u32,
     pub thread: Arc<str>,
+    /// The lowest offset among `records` (subscribers judge a batch by it and
+    /// `last_offset` alone).
     pub first_offset: u64,
+    /// The highest offset among `records`.
     pub last_offset: u64,
     pub records: Vec<RecordOutcome>,
 }

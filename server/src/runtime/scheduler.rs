@@ -13,7 +13,7 @@
 //! change to scheduling state goes; the values it exchanges are in `types.rs`.
 
 use super::retry::RetryItem;
-use super::subscription::FeedEvent;
+use super::subscription::{FeedEvent, Published};
 use super::task::{Task, TaskInit};
 use super::work::WorkUnit;
 use crate::log::Record;
@@ -353,7 +353,7 @@ impl Scheduler {
     fn publish(&self, pipeline: usize, batch: Option<Arc<OutcomeBatch>>) {
         if let (Some(batch), Some(feed)) = (batch, &self.feeds[pipeline]) {
             // No receiver is fine: outcomes are retained in history.
-            let _ = feed.send(FeedEvent::Batch(batch));
+            let _ = feed.send(FeedEvent::Batch(Published::new(batch)));
         }
     }
 

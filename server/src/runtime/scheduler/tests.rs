@@ -220,8 +220,8 @@ fn offset_order_with_several_threads_keeps_keys_apart_and_releases_in_offset_ord
         if let Some((thread, task, unit, context)) = running.pop() {
             let _ = s.finish_unit(thread, task, done(&context, &unit));
         }
-        while let Ok(FeedEvent::Batch(batch)) = feed.try_recv() {
-            seen.extend(batch.records.iter().map(|r| r.offset));
+        while let Ok(FeedEvent::Batch(published)) = feed.try_recv() {
+            seen.extend(published.batch().records.iter().map(|r| r.offset));
         }
         if s.task(0).unwrap().watermark() == 40 && running.is_empty() {
             assert!(round > 0);
