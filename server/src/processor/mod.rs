@@ -175,9 +175,28 @@ fn add_to_key(store: &dyn KeyValueStore, key: &[u8], delta: i64) -> Result<(), P
                 return old.cloned();
             }
         };
-        Some(Bytes::from(current.wrapping_add(delta).to_string()))
+        Some(decimal(current.wrapping_add(delta)))
     })?;
     result
+}
+
+/// `n` in decimal, in a buffer of exactly its length: a `Bytes` made from a
+/// `String` with spare capacity (as `to_string` leaves) allocates a shared
+/// header beside it, and the store drops that header cold when the key's next
+/// value replaces it (perf: a tenth of the count pipeline's stream thread).
+fn decimal(n: i64) -> Bytes {
+    use std::io::Write as _;
+    // i64::MIN is 20 characters.
+    let mut digits = [0u8; 20];
+    let mut cursor = std::io::Cursor::new(&mut digits[..]);
+    match write!(cursor, "{n}") {
+        Ok(()) => {
+            let written = cursor.position() as usize;
+            Bytes::copy_from_slice(&digits[..written])
+        }
+        // Not reached (20 bytes hold any i64); correct all the same.
+        Err(_) => Bytes::from(n.to_string()),
+    }
 }
 
 /// Count of records per key. Records without a key are skipped, as in Kafka Streams.
@@ -324,6 +343,14 @@ impl Processor for Simulate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decimal_writes_every_i64_as_to_string_does() {
+        for n in [0, 1, -1, 9, 10, 12_345, -987_654_321, i64::MAX, i64::MIN] {
+            assert_eq!(decimal(n), n.to_string().as_bytes());
+        }
+    }
+
     use crate::store::MemoryStore;
 
     fn record(key: &str, value: &str, offset: u64) -> Record {
