@@ -5,7 +5,9 @@
 //! one task can write at once without one big lock, each shard a hash map for
 //! the per-record reads and writes with the key order kept for ranges.
 
+mod compact;
 mod persistent;
+use compact::Compact;
 pub use persistent::{Checkpoint, FreezeError, PersistentStore, StoreFacts, StoreSnapshot, WriteTag};
 
 use bytes::Bytes;
@@ -89,26 +91,27 @@ const PENDING_MIN: usize = 1024;
 struct Shard {
     /// The default, keyed hasher on purpose: keys come from producers, and
     /// a fixed hash would let one send keys that all collide.
-    entries: HashMap<Bytes, Bytes>,
+    entries: HashMap<Compact, Compact>,
     /// Keys in order: every key of `entries` is here or in `pending`, and
     /// every key here is in `entries` (a delete removes it from both).
-    ordered: BTreeSet<Bytes>,
+    ordered: BTreeSet<Compact>,
     /// Keys added since the order was last brought up to date. May hold keys
     /// deleted since, or twice (deleted and added again): `sort_in` skips them.
-    pending: Vec<Bytes>,
+    pending: Vec<Compact>,
 }
 
 impl Shard {
-    fn insert(&mut self, key: Bytes, value: Bytes) {
-        if let Some(slot) = self.entries.get_mut(&key) {
+    fn insert(&mut self, key: Bytes, value: Compact) {
+        if let Some(slot) = self.entries.get_mut(&key[..]) {
             *slot = value;
             return;
         }
+        let key = Compact::new(key);
         self.entries.insert(key.clone(), value);
         self.note_new_key(key);
     }
 
-    fn remove(&mut self, key: &[u8]) -> Option<Bytes> {
+    fn remove(&mut self, key: &[u8]) -> Option<Compact> {
         let old = self.entries.remove(key)?;
         self.ordered.remove(key);
         Some(old)
@@ -118,7 +121,7 @@ impl Shard {
     /// again would pile up here without a range to sort them in, so past as
     /// many waiting keys as live ones they are sorted in on the write: the
     /// list stays within the store's size and each key is sorted in once.
-    fn note_new_key(&mut self, key: Bytes) {
+    fn note_new_key(&mut self, key: Compact) {
         self.pending.push(key);
         if self.pending.len() > self.entries.len().max(PENDING_MIN) {
             self.sort_in();
@@ -142,7 +145,7 @@ impl Shard {
         let limit = if limit == 0 { usize::MAX } else { limit };
         for key in keys.take(limit) {
             if let Some(value) = self.entries.get(key) {
-                out.push((key.clone(), value.clone()));
+                out.push((key.to_bytes(), value.to_bytes()));
             }
         }
     }
@@ -176,7 +179,7 @@ impl MemoryStore {
         for (key, value) in writes {
             let mut shard = self.shard(&key).write().unwrap_or_else(|e| e.into_inner());
             match value {
-                Some(value) => shard.insert(key, value),
+                Some(value) => shard.insert(key, Compact::new(value)),
                 None => {
                     shard.remove(&key);
                 }
@@ -185,31 +188,17 @@ impl MemoryStore {
     }
 }
 
-/// Values up to this size are copied out by `get` rather than shared.
-/// Sharing a `Bytes` made from a `Vec` (as processors make values) allocates
-/// a shared header on its first clone, and every clone and drop touches that
-/// header: with a million keys it is out of cache, one more miss per read
-/// (bench `scale`, keys table). Copying a value this small reads only the
-/// value itself, which its reader reads anyway; bigger values are shared.
-const COPIED_VALUE_MAX: usize = 64;
-
 impl KeyValueStore for MemoryStore {
     fn get(&self, key: &[u8]) -> Result<Option<Bytes>, StoreError> {
         let shard = self.shard(key).read().unwrap_or_else(|e| e.into_inner());
-        Ok(shard.entries.get(key).map(|value| {
-            if value.len() <= COPIED_VALUE_MAX {
-                Bytes::copy_from_slice(value)
-            } else {
-                value.clone()
-            }
-        }))
+        Ok(shard.entries.get(key).map(Compact::to_bytes))
     }
 
     fn put(&self, key: Bytes, value: Bytes) -> Result<(), StoreError> {
         self.shard(&key)
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(key, value);
+            .insert(key, Compact::new(value));
         Ok(())
     }
 
@@ -218,7 +207,8 @@ impl KeyValueStore for MemoryStore {
             .shard(key)
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(key))
+            .remove(key)
+            .map(Compact::into_bytes))
     }
 
     fn range(
@@ -261,8 +251,10 @@ impl KeyValueStore for MemoryStore {
         f: &mut dyn FnMut(Option<&Bytes>) -> Option<Bytes>,
     ) -> Result<(), StoreError> {
         let mut shard = self.shard(key).write().unwrap_or_else(|e| e.into_inner());
-        match f(shard.entries.get(key)) {
+        let old = shard.entries.get(key).map(Compact::to_bytes);
+        match f(old.as_ref()) {
             Some(value) => {
+                let value = Compact::new(value);
                 if let Some(slot) = shard.entries.get_mut(key) {
                     *slot = value;
                 } else {
