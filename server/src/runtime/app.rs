@@ -154,8 +154,9 @@ impl StreamsApp {
         let p = shared.pipeline_index(store)?;
         check_in_order(shared, p, in_order)?;
         let pipeline = &shared.pipelines[p];
-        let scheduler = shared.lock();
-        let local = describe::streams_metadata(shared, &scheduler, &[p]);
+        // Copied under the scheduler's lock, built after it (see `describe`).
+        let tasks = describe::snapshot_tasks(&shared.lock(), Some(&[p]));
+        let local = describe::streams_metadata(shared, &tasks);
         let instances = match shared.cluster() {
             None => vec![local],
             Some(cluster) => cluster_metadata(shared, cluster, p, local)?,
@@ -396,7 +397,7 @@ impl StreamsApp {
     /// Threads, pipelines and tasks as they are at this instant.
     pub fn describe(&self) -> RuntimeDescription {
         let shared = self.shared();
-        describe::describe(shared, &shared.lock())
+        describe::describe(shared)
     }
 
     /// The partitions of `store`'s pipeline this instance holds tasks for.

@@ -427,25 +427,36 @@ pub(crate) fn publish_gauges(shared: &Shared) {
         DEAD_LETTERED, LAG, RESTORE_REMAINING, RETRY_BACKLOG, TASK_ACTIVE_THREADS, TASK_HELD, TASK_IN_FLIGHT,
         THREADS,
     };
-    // (pipeline, partition, watermark, retry watermark, final retries above it)
+    /// A task's figures, copied under the scheduler's lock: the gauges are set
+    /// after it (a recorder's registry has a lock of its own, and a handler
+    /// reading metadata waits for this one).
+    struct Figures {
+        task: Arc<str>,
+        pipeline: usize,
+        partition: u32,
+        active: usize,
+        in_flight: usize,
+        held: usize,
+        restore_remaining: u64,
+        watermark: u64,
+        retry_watermark: u64,
+        final_retries_above: u64,
+    }
     let (tasks, by_state) = {
         let scheduler = shared.lock();
-        let tasks: Vec<(usize, u32, u64, u64, u64)> = scheduler
+        let tasks: Vec<Figures> = scheduler
             .tasks()
-            .map(|(_, t)| {
-                let task = t.id().to_string();
-                metrics::gauge!(TASK_ACTIVE_THREADS, "task" => task.clone()).set(t.active() as f64);
-                metrics::gauge!(TASK_IN_FLIGHT, "task" => task.clone()).set(t.in_flight() as f64);
-                metrics::gauge!(TASK_HELD, "task" => task.clone()).set(t.held_completed() as f64);
-                metrics::gauge!(RESTORE_REMAINING, "task" => task).set(t.restore_remaining() as f64);
-                let retry = t.retry();
-                (
-                    t.pipeline(),
-                    t.partition(),
-                    t.watermark(),
-                    retry.watermark(),
-                    retry.final_above(),
-                )
+            .map(|(_, t)| Figures {
+                task: t.id().clone(),
+                pipeline: t.pipeline(),
+                partition: t.partition(),
+                active: t.active(),
+                in_flight: t.in_flight(),
+                held: t.held_completed(),
+                restore_remaining: t.restore_remaining(),
+                watermark: t.watermark(),
+                retry_watermark: t.retry().watermark(),
+                final_retries_above: t.retry().final_above(),
             })
             .collect();
         let mut by_state = [0u32; 5];
@@ -463,17 +474,24 @@ pub(crate) fn publish_gauges(shared: &Shared) {
         }
         (tasks, by_state)
     };
+    for t in &tasks {
+        let task = t.task.to_string();
+        metrics::gauge!(TASK_ACTIVE_THREADS, "task" => task.clone()).set(t.active as f64);
+        metrics::gauge!(TASK_IN_FLIGHT, "task" => task.clone()).set(t.in_flight as f64);
+        metrics::gauge!(TASK_HELD, "task" => task.clone()).set(t.held as f64);
+        metrics::gauge!(RESTORE_REMAINING, "task" => task).set(t.restore_remaining as f64);
+    }
     for (p, pipeline) in shared.pipelines.iter().enumerate() {
         let mut backlog = 0;
         let mut lag = 0;
-        for &(_, partition, watermark, retry_watermark, final_above) in tasks.iter().filter(|t| t.0 == p) {
-            let end = shared.log.end_offset(&pipeline.topic, partition).unwrap_or(0);
-            lag += end.saturating_sub(watermark);
+        for t in tasks.iter().filter(|t| t.pipeline == p) {
+            let end = shared.log.end_offset(&pipeline.topic, t.partition).unwrap_or(0);
+            lag += end.saturating_sub(t.watermark);
             let retry_end = shared
                 .log
-                .end_offset(&pipeline.retry_topic, partition)
+                .end_offset(&pipeline.retry_topic, t.partition)
                 .unwrap_or(0);
-            backlog += super::retry_queue::backlog(retry_end, retry_watermark, final_above);
+            backlog += super::retry_queue::backlog(retry_end, t.retry_watermark, t.final_retries_above);
         }
         let dead: u64 = (0..pipeline.partitions)
             .map(|partition| dead_lettered(shared, &pipeline.dead_letter_topic, partition))

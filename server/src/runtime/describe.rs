@@ -1,22 +1,25 @@
 //! The runtime as metadata: per task (owner and helper threads, watermark,
 //! committed and end offsets, lag, in-flight records, retry backlog), per
 //! instance (StreamsMetadata of the partitions hosted here), and the whole
-//! description DescribeRuntime answers. Read under the scheduler lock.
+//! description DescribeRuntime answers.
+//!
+//! Read in two steps: under the scheduler lock only what the scheduler holds is
+//! copied, a [`TaskSnapshot`] per task (numbers and shared names); the log's
+//! offsets are read and the answer's strings built after the lock is released.
+//! These reads come from gRPC handlers on the server's tokio workers, where
+//! every wait for the lock blocks a worker and a worker descheduled while it
+//! holds the lock stalls the others: the lock is held for a copy, no longer.
 
 use super::scheduler::Scheduler;
 use super::shared::{PipelineRuntime, Shared};
-use super::task::Task;
+use super::task::{Task, TaskCounters};
+use crate::config::ProcessingOrder;
 use crate::metadata::{
     PipelineMetadata, RuntimeDescription, StreamsMetadata, TaskMetadata, TaskState, ThreadMetadata,
     ThreadState, TopicPartition,
 };
-
-/// The tasks by pipeline (in configuration order), then partition.
-fn in_order(scheduler: &Scheduler) -> Vec<(usize, &Task)> {
-    let mut tasks: Vec<(usize, &Task)> = scheduler.tasks().collect();
-    tasks.sort_by_key(|(_, t)| (t.pipeline(), t.partition()));
-    tasks
-}
+use std::sync::Arc;
+use std::time::SystemTime;
 
 /// Records of a task's retry-topic partition without a final outcome.
 pub(crate) fn retry_backlog(shared: &Shared, task: &Task) -> u64 {
@@ -28,78 +31,124 @@ pub(crate) fn retry_backlog(shared: &Shared, task: &Task) -> u64 {
     task.retry().backlog(end)
 }
 
-pub(crate) fn task_metadata(
-    shared: &Shared,
-    scheduler: &Scheduler,
-    index: usize,
-    task: &Task,
-) -> TaskMetadata {
-    let pipeline = &shared.pipelines[task.pipeline()];
-    let end_offset = shared
-        .log
-        .end_offset(&pipeline.topic, task.partition())
-        .unwrap_or(0);
-    let watermark = task.watermark();
-    let counters = task.counters();
-    TaskMetadata {
-        task_id: task.id().to_string(),
-        pipeline: pipeline.name.to_string(),
-        topic: pipeline.topic.to_string(),
-        partition: task.partition(),
-        state: if task.is_restoring() {
-            TaskState::Restoring
-        } else {
-            TaskState::Running
-        },
-        owner_thread: scheduler
-            .threads()
-            .get(task.owner())
-            .map(|t| t.name().to_string())
-            .unwrap_or_default(),
-        helper_threads: scheduler
-            .helpers_of(index)
-            .into_iter()
-            .map(|name| name.to_string())
-            .collect(),
-        processing_order: task.order(),
-        threads_per_task: task.threads_per_task() as u32,
-        watermark,
-        committed_offset: task.committed(),
-        end_offset,
-        lag: end_offset.saturating_sub(watermark),
-        in_flight: task.in_flight() as u64,
-        retry_backlog: retry_backlog(shared, task),
-        records_processed: counters.processed,
-        records_failed: counters.failed,
-        records_dead_lettered: counters.dead_lettered,
-        active_threads: task.active() as u32,
-        held_records: task.held_completed() as u64,
-        last_commit: task.committed_at(),
+/// What metadata needs of a task that only the scheduler knows, copied under
+/// its lock; [`TaskSnapshot::metadata`] adds the rest without it.
+pub(crate) struct TaskSnapshot {
+    id: Arc<str>,
+    pipeline: usize,
+    partition: u32,
+    restoring: bool,
+    owner_thread: Option<Arc<str>>,
+    helper_threads: Vec<Arc<str>>,
+    order: ProcessingOrder,
+    threads_per_task: usize,
+    watermark: u64,
+    committed: u64,
+    in_flight: usize,
+    retry_watermark: u64,
+    retry_final_above: u64,
+    counters: TaskCounters,
+    active: usize,
+    held: usize,
+    last_commit: Option<SystemTime>,
+}
+
+impl TaskSnapshot {
+    /// Task `index` as the scheduler has it now (call with its lock held).
+    fn of(scheduler: &Scheduler, index: usize, task: &Task) -> TaskSnapshot {
+        let retry = task.retry();
+        TaskSnapshot {
+            id: task.id().clone(),
+            pipeline: task.pipeline(),
+            partition: task.partition(),
+            restoring: task.is_restoring(),
+            owner_thread: scheduler.threads().get(task.owner()).map(|t| t.name().clone()),
+            helper_threads: scheduler.helpers_of(index),
+            order: task.order(),
+            threads_per_task: task.threads_per_task(),
+            watermark: task.watermark(),
+            committed: task.committed(),
+            in_flight: task.in_flight(),
+            retry_watermark: retry.watermark(),
+            retry_final_above: retry.final_above(),
+            counters: task.counters(),
+            active: task.active(),
+            held: task.held_completed(),
+            last_commit: task.committed_at(),
+        }
+    }
+
+    /// Records of the task's retry-topic partition without a final outcome.
+    fn retry_backlog(&self, shared: &Shared) -> u64 {
+        let pipeline = &shared.pipelines[self.pipeline];
+        let end = shared
+            .log
+            .end_offset(&pipeline.retry_topic, self.partition)
+            .unwrap_or(0);
+        super::retry_queue::backlog(end, self.retry_watermark, self.retry_final_above)
+    }
+
+    /// The task's metadata, with the log's offsets as they are now.
+    fn metadata(&self, shared: &Shared) -> TaskMetadata {
+        let pipeline = &shared.pipelines[self.pipeline];
+        let end_offset = shared
+            .log
+            .end_offset(&pipeline.topic, self.partition)
+            .unwrap_or(0);
+        TaskMetadata {
+            task_id: self.id.to_string(),
+            pipeline: pipeline.name.to_string(),
+            topic: pipeline.topic.to_string(),
+            partition: self.partition,
+            state: if self.restoring {
+                TaskState::Restoring
+            } else {
+                TaskState::Running
+            },
+            owner_thread: self.owner_thread.as_deref().unwrap_or_default().to_string(),
+            helper_threads: self.helper_threads.iter().map(|name| name.to_string()).collect(),
+            processing_order: self.order,
+            threads_per_task: self.threads_per_task as u32,
+            watermark: self.watermark,
+            committed_offset: self.committed,
+            end_offset,
+            lag: end_offset.saturating_sub(self.watermark),
+            in_flight: self.in_flight as u64,
+            retry_backlog: self.retry_backlog(shared),
+            records_processed: self.counters.processed,
+            records_failed: self.counters.failed,
+            records_dead_lettered: self.counters.dead_lettered,
+            active_threads: self.active as u32,
+            held_records: self.held as u64,
+            last_commit: self.last_commit,
+        }
     }
 }
 
-/// This instance as Kafka Streams' StreamsMetadata for `pipelines`: the
-/// source partitions it hosts and the metadata of their tasks.
-pub(crate) fn streams_metadata(
-    shared: &Shared,
-    scheduler: &Scheduler,
-    pipelines: &[usize],
-) -> StreamsMetadata {
-    let mut topic_partitions: Vec<TopicPartition> = Vec::new();
-    let mut tasks = Vec::new();
-    for (index, task) in in_order(scheduler) {
-        if !pipelines.contains(&task.pipeline()) {
-            continue;
-        }
-        topic_partitions.push(TopicPartition {
-            topic: shared.pipelines[task.pipeline()].topic.to_string(),
-            partition: task.partition(),
-        });
-        tasks.push(task_metadata(shared, scheduler, index, task));
-    }
-    // Sorted, then repeats dropped (pipelines may share a source topic): a
-    // linear `contains` per task made this quadratic in the tasks, all of it
-    // under the scheduler lock that every stream thread needs.
+/// Snapshots of the tasks of `pipelines` (all with `None`), by pipeline (in
+/// configuration order), then partition. Call with the scheduler's lock held.
+pub(crate) fn snapshot_tasks(scheduler: &Scheduler, pipelines: Option<&[usize]>) -> Vec<TaskSnapshot> {
+    let mut tasks: Vec<TaskSnapshot> = scheduler
+        .tasks()
+        .filter(|(_, t)| pipelines.is_none_or(|p| p.contains(&t.pipeline())))
+        .map(|(index, task)| TaskSnapshot::of(scheduler, index, task))
+        .collect();
+    tasks.sort_by_key(|t| (t.pipeline, t.partition));
+    tasks
+}
+
+/// This instance as Kafka Streams' StreamsMetadata, from the snapshots of the
+/// tasks it shows (`snapshot_tasks`): the source partitions it hosts and the
+/// metadata of their tasks.
+pub(crate) fn streams_metadata(shared: &Shared, tasks: &[TaskSnapshot]) -> StreamsMetadata {
+    let mut topic_partitions: Vec<TopicPartition> = tasks
+        .iter()
+        .map(|task| TopicPartition {
+            topic: shared.pipelines[task.pipeline].topic.to_string(),
+            partition: task.partition,
+        })
+        .collect();
+    // Sorted, then repeats dropped (pipelines may share a source topic).
     topic_partitions.sort();
     topic_partitions.dedup();
     StreamsMetadata {
@@ -107,13 +156,13 @@ pub(crate) fn streams_metadata(
         state_store_names: shared.pipelines.iter().map(|p| p.name.to_string()).collect(),
         topic_partitions,
         standby_topic_partitions: Vec::new(),
-        tasks,
+        tasks: tasks.iter().map(|task| task.metadata(shared)).collect(),
     }
 }
 
 fn pipeline_metadata(
     shared: &Shared,
-    scheduler: &Scheduler,
+    tasks: &[TaskSnapshot],
     index: usize,
     p: &PipelineRuntime,
 ) -> PipelineMetadata {
@@ -129,10 +178,10 @@ fn pipeline_metadata(
         retry_policy: p.retry_policy,
         retry_topic: p.retry_topic.to_string(),
         dead_letter_topic: p.dead_letter_topic.to_string(),
-        retry_backlog: scheduler
-            .tasks()
-            .filter(|(_, t)| t.pipeline() == index)
-            .map(|(_, t)| retry_backlog(shared, t))
+        retry_backlog: tasks
+            .iter()
+            .filter(|t| t.pipeline == index)
+            .map(|t| t.retry_backlog(shared))
             .sum(),
         dead_lettered: (0..p.partitions)
             .map(|partition| super::commit::dead_lettered(shared, &p.dead_letter_topic, partition))
@@ -142,37 +191,42 @@ fn pipeline_metadata(
     }
 }
 
-/// Threads, pipelines and tasks as they are at this instant.
-pub(crate) fn describe(shared: &Shared, scheduler: &Scheduler) -> RuntimeDescription {
-    let threads: Vec<ThreadMetadata> = scheduler
-        .threads()
-        .iter()
-        .enumerate()
-        .filter(|(_, t)| t.is_alive())
-        .map(|(i, t)| ThreadMetadata {
-            name: t.name().to_string(),
-            state: scheduler.thread_state(i),
-            owned_tasks: scheduler
-                .tasks()
-                .filter(|(_, task)| task.owner() == i)
-                .map(|(_, task)| task.id().to_string())
-                .collect(),
-            current_task: t
-                .current_task()
-                .and_then(|task| scheduler.task(task))
-                .map(|task| task.id().to_string()),
-            records_processed: t.records_processed(),
-        })
-        .collect();
-    let tasks: Vec<TaskMetadata> = in_order(scheduler)
-        .into_iter()
-        .map(|(i, t)| task_metadata(shared, scheduler, i, t))
-        .collect();
+/// Threads, pipelines and tasks as they are at this instant (takes the scheduler's lock).
+pub(crate) fn describe(shared: &Shared) -> RuntimeDescription {
+    let (threads, tasks, state, live_threads) = {
+        let scheduler = shared.lock();
+        let threads: Vec<ThreadMetadata> = scheduler
+            .threads()
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.is_alive())
+            .map(|(i, t)| ThreadMetadata {
+                name: t.name().to_string(),
+                state: scheduler.thread_state(i),
+                owned_tasks: scheduler
+                    .tasks()
+                    .filter(|(_, task)| task.owner() == i)
+                    .map(|(_, task)| task.id().to_string())
+                    .collect(),
+                current_task: t
+                    .current_task()
+                    .and_then(|task| scheduler.task(task))
+                    .map(|task| task.id().to_string()),
+                records_processed: t.records_processed(),
+            })
+            .collect();
+        (
+            threads,
+            snapshot_tasks(&scheduler, None),
+            shared.reported_state(&scheduler),
+            scheduler.live_threads() as u32,
+        )
+    };
     RuntimeDescription {
         application_id: shared.config.application_id.clone(),
         host_info: shared.host_info.clone(),
-        state: shared.reported_state(scheduler),
-        num_stream_threads: scheduler.live_threads() as u32,
+        state,
+        num_stream_threads: live_threads,
         num_reserve_threads: threads.iter().filter(|t| t.state == ThreadState::Reserve).count() as u32,
         num_retry_threads: threads.iter().filter(|t| t.state == ThreadState::Retry).count() as u32,
         threads,
@@ -180,9 +234,9 @@ pub(crate) fn describe(shared: &Shared, scheduler: &Scheduler) -> RuntimeDescrip
             .pipelines
             .iter()
             .enumerate()
-            .map(|(i, p)| pipeline_metadata(shared, scheduler, i, p))
+            .map(|(i, p)| pipeline_metadata(shared, &tasks, i, p))
             .collect(),
-        tasks,
+        tasks: tasks.iter().map(|t| t.metadata(shared)).collect(),
         storage_faults: shared.health.faults(),
     }
 }

@@ -26,7 +26,7 @@ impl AdminService for AdminHandler {
         &self,
         _request: Request<pb::DescribeRuntimeRequest>,
     ) -> Result<Response<pb::DescribeRuntimeResponse>, Status> {
-        Ok(Response::new(convert::runtime_description(&self.app.describe())))
+        Ok(Response::new(convert::runtime_description(self.app.describe())))
     }
 
     async fn add_stream_thread(

@@ -47,15 +47,17 @@ fn task_state(state: TaskState) -> pb::TaskState {
     }
 }
 
-pub fn task_metadata(task: &TaskMetadata) -> pb::TaskMetadata {
+/// Takes the metadata by value: its strings move into the message (one
+/// ProcessMetadataForStore answer holds several per task).
+pub fn task_metadata(task: TaskMetadata) -> pb::TaskMetadata {
     pb::TaskMetadata {
-        task_id: task.task_id.clone(),
-        pipeline: task.pipeline.clone(),
-        topic: task.topic.clone(),
+        task_id: task.task_id,
+        pipeline: task.pipeline,
+        topic: task.topic,
         partition: task.partition,
         state: task_state(task.state) as i32,
-        owner_thread: task.owner_thread.clone(),
-        helper_threads: task.helper_threads.clone(),
+        owner_thread: task.owner_thread,
+        helper_threads: task.helper_threads,
         processing_order: processing_order(task.processing_order) as i32,
         threads_per_task: task.threads_per_task,
         watermark: offset(task.watermark),
@@ -79,23 +81,23 @@ fn epoch_ms(at: std::time::SystemTime) -> i64 {
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
-fn streams_metadata(instance: &StreamsMetadata) -> pb::StreamsMetadata {
+fn streams_metadata(instance: StreamsMetadata) -> pb::StreamsMetadata {
     pb::StreamsMetadata {
         host_info: Some(host_info(&instance.host_info)),
-        state_store_names: instance.state_store_names.clone(),
+        state_store_names: instance.state_store_names,
         topic_partitions: instance.topic_partitions.iter().map(topic_partition).collect(),
         standby_topic_partitions: instance
             .standby_topic_partitions
             .iter()
             .map(topic_partition)
             .collect(),
-        tasks: instance.tasks.iter().map(task_metadata).collect(),
+        tasks: instance.tasks.into_iter().map(task_metadata).collect(),
     }
 }
 
-pub fn store_metadata(store: &StoreMetadata) -> pb::ProcessMetadataForStoreResponse {
+pub fn store_metadata(store: StoreMetadata) -> pb::ProcessMetadataForStoreResponse {
     pb::ProcessMetadataForStoreResponse {
-        metadata: store.instances.iter().map(streams_metadata).collect(),
+        metadata: store.instances.into_iter().map(streams_metadata).collect(),
         processing_order: processing_order(store.processing_order) as i32,
         threads_per_task: store.threads_per_task,
         in_order: store.in_order,
@@ -262,16 +264,16 @@ fn pipeline_metadata(pipeline: &PipelineMetadata) -> pb::PipelineMetadata {
     }
 }
 
-pub fn runtime_description(description: &RuntimeDescription) -> pb::DescribeRuntimeResponse {
+pub fn runtime_description(description: RuntimeDescription) -> pb::DescribeRuntimeResponse {
     pb::DescribeRuntimeResponse {
-        application_id: description.application_id.clone(),
+        application_id: description.application_id,
         host_info: Some(host_info(&description.host_info)),
         state: service_state(description.state) as i32,
         num_stream_threads: description.num_stream_threads,
         num_reserve_threads: description.num_reserve_threads,
         threads: description.threads.iter().map(thread_metadata).collect(),
         pipelines: description.pipelines.iter().map(pipeline_metadata).collect(),
-        tasks: description.tasks.iter().map(task_metadata).collect(),
+        tasks: description.tasks.into_iter().map(task_metadata).collect(),
         num_retry_threads: description.num_retry_threads,
         storage_faults: description
             .storage_faults

@@ -232,7 +232,7 @@ impl StreamsService for StreamsHandler {
             .app
             .process_metadata_for_store(&request.store, request.in_order)
             .map_err(to_status)?;
-        Ok(Response::new(convert::store_metadata(&metadata)))
+        Ok(Response::new(convert::store_metadata(metadata)))
     }
 
     type GetMetadataAsyncStream = ReceiverStream<StreamItem>;
