@@ -487,11 +487,13 @@ pub(crate) fn publish_gauges(shared: &Shared) {
         for t in tasks.iter().filter(|t| t.pipeline == p) {
             let end = shared.log.end_offset(&pipeline.topic, t.partition).unwrap_or(0);
             lag += end.saturating_sub(t.watermark);
-            let retry_end = shared
-                .log
-                .end_offset(&pipeline.retry_topic, t.partition)
-                .unwrap_or(0);
-            backlog += super::retry_queue::backlog(retry_end, t.retry_watermark, t.final_retries_above);
+            backlog += super::describe::retry_backlog_of(
+                shared,
+                p,
+                t.partition,
+                t.retry_watermark,
+                t.final_retries_above,
+            );
         }
         let dead: u64 = (0..pipeline.partitions)
             .map(|partition| dead_lettered(shared, &pipeline.dead_letter_topic, partition))

@@ -23,12 +23,30 @@ use std::time::SystemTime;
 
 /// Records of a task's retry-topic partition without a final outcome.
 pub(crate) fn retry_backlog(shared: &Shared, task: &Task) -> u64 {
-    let pipeline = &shared.pipelines[task.pipeline()];
+    let retry = task.retry();
+    retry_backlog_of(
+        shared,
+        task.pipeline(),
+        task.partition(),
+        retry.watermark(),
+        retry.final_above(),
+    )
+}
+
+/// `retry_backlog` from a task's figures copied earlier: the retry queue's
+/// watermark and its entries final above it.
+pub(crate) fn retry_backlog_of(
+    shared: &Shared,
+    pipeline: usize,
+    partition: u32,
+    retry_watermark: u64,
+    final_above: u64,
+) -> u64 {
     let end = shared
         .log
-        .end_offset(&pipeline.retry_topic, task.partition())
+        .end_offset(&shared.pipelines[pipeline].retry_topic, partition)
         .unwrap_or(0);
-    task.retry().backlog(end)
+    super::retry_queue::backlog(end, retry_watermark, final_above)
 }
 
 /// What metadata needs of a task that only the scheduler knows, copied under
@@ -80,12 +98,13 @@ impl TaskSnapshot {
 
     /// Records of the task's retry-topic partition without a final outcome.
     fn retry_backlog(&self, shared: &Shared) -> u64 {
-        let pipeline = &shared.pipelines[self.pipeline];
-        let end = shared
-            .log
-            .end_offset(&pipeline.retry_topic, self.partition)
-            .unwrap_or(0);
-        super::retry_queue::backlog(end, self.retry_watermark, self.retry_final_above)
+        retry_backlog_of(
+            shared,
+            self.pipeline,
+            self.partition,
+            self.retry_watermark,
+            self.retry_final_above,
+        )
     }
 
     /// The task's metadata, with the log's offsets as they are now.

@@ -218,11 +218,6 @@ impl RetryQueue {
             || self.seq.completed_above().len() + self.done_before.len() != self.committed_done
     }
 
-    /// Records in the retry topic without a final outcome (loaded or not).
-    pub(crate) fn backlog(&self, retry_end: u64) -> u64 {
-        backlog(retry_end, self.seq.watermark(), self.final_above())
-    }
-
     /// Entries above the watermark that are final already.
     pub(crate) fn final_above(&self) -> u64 {
         (self.seq.completed_above().len() + self.done_before.len()) as u64
@@ -494,7 +489,11 @@ mod tests {
         again.due_ms = 99;
         queue.complete(&[(11, 111, None)], vec![again]);
         assert_eq!(queue.watermark(), 10);
-        assert_eq!(queue.backlog(12), 1, "11 is final, 10 is not");
+        assert_eq!(
+            backlog(12, queue.watermark(), queue.final_above()),
+            1,
+            "11 is final, 10 is not"
+        );
         let taken = queue.take_due(100, |_| true);
         queue.complete(&[(taken[0].retry_offset, 110, None)], vec![]);
         assert_eq!(queue.watermark(), 12);
