@@ -127,8 +127,26 @@ impl WorkUnit {
 /// `key` order: records of the keys that hash to this lane, in offset order.
 #[derive(Default)]
 struct Lane {
-    queue: VecDeque<Record>,
+    queue: VecDeque<Queued>,
     busy: bool,
+}
+
+/// A record waiting in a lane, with the murmur2 hash of its key. The hash is
+/// taken once, when the record is fetched and its key is still in cache: it
+/// picks the lane, and later tells the gate that the key is not gated without
+/// reading the key again. Records are taken under the scheduler's lock, and
+/// there a cold read of each record's key, while any key was gated, was the
+/// largest cost failures added (bench `retry`, parked-keys probe).
+struct Queued {
+    record: Record,
+    key_hash: Option<u32>,
+}
+
+impl Queued {
+    fn new(record: Record) -> Queued {
+        let key_hash = record.key.as_deref().map(key_hash);
+        Queued { record, key_hash }
+    }
 }
 
 impl Lane {
@@ -138,7 +156,7 @@ impl Lane {
         if self.busy {
             None
         } else {
-            self.queue.front().map(|r| r.offset)
+            self.queue.front().map(|q| q.record.offset)
         }
     }
 }
@@ -175,6 +193,9 @@ enum Units {
 #[derive(Default)]
 struct KeyGate {
     keys: KeyMap<GateEntry>,
+    /// The murmur2 hashes of the keys in `keys`, each with how many of them
+    /// share it: a record whose hash is not here is not gated.
+    hashes: foldhash::HashMap<u32, u32>,
     held_records: usize,
 }
 
@@ -268,10 +289,11 @@ impl WorkQueue {
             Units::Lanes { lanes, ready, .. } => {
                 let n = lanes.len();
                 for record in records {
-                    let lane = lane_of(&record, n);
+                    let queued = Queued::new(record);
+                    let lane = lane_of(queued.key_hash, queued.record.offset, n);
                     // Only a lane's first record is its key in `ready`.
                     let first = lanes[lane].queue.is_empty();
-                    lanes[lane].queue.push_back(record);
+                    lanes[lane].queue.push_back(queued);
                     if first {
                         reready(ready, lanes, lane);
                     }
@@ -288,7 +310,12 @@ impl WorkQueue {
                 if self.pausing(now) {
                     ready
                         .iter()
-                        .filter(|&&(_, lane)| lanes[lane].queue.front().is_some_and(|r| !self.gate.gates(r)))
+                        .filter(|&&(_, lane)| {
+                            lanes[lane]
+                                .queue
+                                .front()
+                                .is_some_and(|q| !self.gate.gates_queued(q))
+                        })
                         .count()
                 } else {
                     ready.len()
@@ -371,7 +398,7 @@ impl WorkQueue {
                     lanes[i]
                         .queue
                         .front()
-                        .is_some_and(|r| !(pausing && gate.gates(r)))
+                        .is_some_and(|q| !(pausing && gate.gates_queued(q)))
                 };
                 let lane = if self.oldest_first {
                     ready.iter().map(|&(_, i)| i).find(|&i| startable(i))?
@@ -389,23 +416,17 @@ impl WorkQueue {
                 let mut records = Vec::with_capacity(cap.min(queue.len()));
                 let mut park = Vec::new();
                 while records.len() < cap {
-                    let Some(record) = queue.pop_front() else { break };
+                    let Some(queued) = queue.pop_front() else { break };
                     self.queued -= 1;
-                    if self.gating == Gating::Off || self.gate.keys.is_empty() {
-                        records.push(record);
+                    if self.gating == Gating::Off || !self.gate.gates_queued(&queued) {
+                        records.push(queued.record);
                         continue;
                     }
-                    // Within the budget, one lookup both asks and holds.
                     if self.gating == Gating::Hold && self.gate.held_records < self.hold.budget {
-                        if let Some(free) = self.gate.hold_if_gated(record) {
-                            records.push(free);
-                        }
+                        self.gate.hold(queued.record);
                         continue;
                     }
-                    if !self.gate.gates(&record) {
-                        records.push(record);
-                        continue;
-                    }
+                    let record = queued.record;
                     let key = record.key.clone().unwrap_or_default();
                     if self.gating == Gating::Hold {
                         if self.pause == HoldPause::None {
@@ -413,7 +434,10 @@ impl WorkQueue {
                         }
                         if matches!(self.pause, HoldPause::Since(_)) {
                             // The lane waits here; what the unit has so far runs.
-                            queue.push_front(record);
+                            queue.push_front(Queued {
+                                record,
+                                key_hash: queued.key_hash,
+                            });
                             self.queued += 1;
                             break;
                         }
@@ -464,7 +488,7 @@ impl WorkQueue {
                 let lane = &mut lanes[i];
                 lane.busy = false;
                 for record in returned.into_iter().rev() {
-                    lane.queue.push_front(record);
+                    lane.queue.push_front(Queued::new(record));
                 }
                 reready(ready, lanes, i);
             }
@@ -480,7 +504,11 @@ impl WorkQueue {
     /// `key` now has one more entry on the retry path.
     pub(crate) fn gate_key(&mut self, key: &Bytes) {
         if self.gating != Gating::Off {
-            self.gate.keys.entry(key.clone()).or_default().on_retry_path += 1;
+            let entry = self.gate.keys.entry(key.clone()).or_insert_with(|| {
+                *self.gate.hashes.entry(key_hash(key)).or_default() += 1;
+                GateEntry::default()
+            });
+            entry.on_retry_path += 1;
         }
     }
 
@@ -498,16 +526,26 @@ impl WorkQueue {
         let Some(entry) = self.gate.keys.remove(key) else {
             return;
         };
+        let hash = key_hash(key);
+        if let Some(sharing) = self.gate.hashes.get_mut(&hash) {
+            *sharing -= 1;
+            if *sharing == 0 {
+                self.gate.hashes.remove(&hash);
+            }
+        }
         self.gate.held_records -= entry.held.len();
         if let Units::Lanes { lanes, ready, .. } = &mut self.units
-            && let Some(first) = entry.held.front()
+            && !entry.held.is_empty()
         {
             self.queued += entry.held.len();
             // Held records are all of this key, so all of one lane.
-            let lane = lane_of(first, lanes.len());
+            let lane = lane_of(Some(hash), 0, lanes.len());
             unready(ready, lanes, lane);
             for record in entry.held.into_iter().rev() {
-                lanes[lane].queue.push_front(record);
+                lanes[lane].queue.push_front(Queued {
+                    record,
+                    key_hash: Some(hash),
+                });
             }
             reready(ready, lanes, lane);
         }
@@ -534,19 +572,28 @@ impl WorkQueue {
 }
 
 impl KeyGate {
-    /// Whether `record` waits behind a record of its key on the retry path.
-    fn gates(&self, record: &Record) -> bool {
-        !self.keys.is_empty() && record.key.as_ref().is_some_and(|k| self.keys.contains_key(k))
+    /// Whether `queued` waits behind a record of its key on the retry path.
+    /// Reads the record's key only when its hash is among the gated keys'.
+    fn gates_queued(&self, queued: &Queued) -> bool {
+        !self.keys.is_empty()
+            && queued
+                .key_hash
+                .is_some_and(|hash| self.hashes.contains_key(&hash))
+            && queued
+                .record
+                .key
+                .as_ref()
+                .is_some_and(|k| self.keys.contains_key(k))
     }
 
-    /// Holds `record` if its key is gated; otherwise hands it back.
-    fn hold_if_gated(&mut self, record: Record) -> Option<Record> {
-        let Some(entry) = record.key.as_ref().and_then(|key| self.keys.get_mut(key)) else {
-            return Some(record);
-        };
-        entry.held.push_back(record);
-        self.held_records += 1;
-        None
+    /// Holds `record`, whose key is gated, behind the key's earlier ones.
+    fn hold(&mut self, record: Record) {
+        let entry = record.key.as_ref().and_then(|key| self.keys.get_mut(key));
+        debug_assert!(entry.is_some(), "only a gated key's records are held");
+        if let Some(entry) = entry {
+            entry.held.push_back(record);
+            self.held_records += 1;
+        }
     }
 
     fn take_held(&mut self, key: &Bytes) -> VecDeque<Record> {
@@ -560,12 +607,16 @@ impl KeyGate {
     }
 }
 
-/// The lane of a record: by key, so one key always shares one lane; records
-/// without a key have no order to keep and are spread by offset.
-fn lane_of(record: &Record, lanes: usize) -> usize {
-    match record.key.as_deref() {
-        Some(key) => crate::log::murmur2(key) as u32 as usize % lanes,
-        None => record.offset as usize % lanes,
+fn key_hash(key: &[u8]) -> u32 {
+    crate::log::murmur2(key) as u32
+}
+
+/// The lane of a record, from its key's hash: one key always shares one lane;
+/// records without a key have no order to keep and are spread by offset.
+fn lane_of(key_hash: Option<u32>, offset: u64, lanes: usize) -> usize {
+    match key_hash {
+        Some(hash) => hash as usize % lanes,
+        None => offset as usize % lanes,
     }
 }
 
@@ -643,7 +694,10 @@ mod tests {
         let mut work = WorkQueue::new(true, true, Gating::Park, 2, 500, limits(0));
         let keys: Vec<String> = (0..8).map(|k| format!("key-{k}")).collect();
         let all: Vec<Record> = (0..64).map(|o| record(&keys[o as usize % 8], o)).collect();
-        let lane = |offset: u64| lane_of(&all[offset as usize], lanes);
+        let lane = |offset: u64| {
+            let record = &all[offset as usize];
+            lane_of(record.key.as_deref().map(key_hash), offset, lanes)
+        };
         work.push_fetched(all.clone());
         let used: std::collections::HashSet<usize> = (0..64).map(lane).collect();
         assert_eq!(work.startable_units(now), used.len());
@@ -702,7 +756,7 @@ mod tests {
 
     /// A key whose records share no lane with `key`'s (of `lanes` lanes).
     fn key_in_another_lane(key: &str, lanes: usize) -> String {
-        let lane = |k: &str| lane_of(&record(k, 0), lanes);
+        let lane = |k: &str| lane_of(Some(key_hash(k.as_bytes())), 0, lanes);
         (0..)
             .map(|i| format!("other-{i}"))
             .find(|k| lane(k) != lane(key))
