@@ -8,7 +8,7 @@ use super::retry::RetryItem;
 use super::sequencer::Sequencer;
 use super::work::KeySet;
 use bytes::Bytes;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 /// The not-yet-final records of one task's retry-topic partition.
 pub(crate) struct RetryQueue {
@@ -16,6 +16,11 @@ pub(crate) struct RetryQueue {
     seq: Sequencer<()>,
     /// Loaded and waiting (not in progress), by retry offset.
     waiting: BTreeMap<u64, RetryItem>,
+    /// `(due_ms, retry offset)` of every item in `waiting`, and nothing else:
+    /// `take_due` runs under the scheduler's lock on every pick, and while the
+    /// earliest item is not due (a backoff runs) it answers from here without
+    /// scanning.
+    due_order: BTreeSet<(i64, u64)>,
     /// Keyed: keys with an item in progress.
     busy_keys: KeySet,
     in_progress: usize,
@@ -83,6 +88,7 @@ impl RetryQueue {
         RetryQueue {
             seq: Sequencer::new(start),
             waiting: BTreeMap::new(),
+            due_order: BTreeSet::new(),
             busy_keys: KeySet::default(),
             in_progress: 0,
             keyed,
@@ -241,8 +247,22 @@ impl RetryQueue {
                 continue;
             }
             *self.pending_sources.entry(item.record.offset).or_default() += 1;
-            self.waiting.insert(item.retry_offset, item);
+            self.insert_waiting(item);
         }
+    }
+
+    fn insert_waiting(&mut self, item: RetryItem) {
+        self.due_order.insert((item.due_ms, item.retry_offset));
+        if let Some(replaced) = self.waiting.insert(item.retry_offset, item) {
+            debug_assert!(false, "retry offset {} waiting twice", replaced.retry_offset);
+            self.due_order.remove(&(replaced.due_ms, replaced.retry_offset));
+        }
+    }
+
+    fn remove_waiting(&mut self, retry_offset: u64) -> Option<RetryItem> {
+        let item = self.waiting.remove(&retry_offset)?;
+        self.due_order.remove(&(item.due_ms, retry_offset));
+        Some(item)
     }
 
     /// The lowest source offset still without a final outcome, if any.
@@ -290,15 +310,24 @@ impl RetryQueue {
     pub(crate) fn take_due(&mut self, now_ms: i64, may_run: impl Fn(u64) -> bool) -> Vec<RetryItem> {
         // Called under the scheduler lock on every pick: skip the scan while
         // nothing can be due (the cache is dropped whenever the queue changes).
-        if self.waiting.is_empty() || now_ms < self.not_before_ms {
+        debug_assert_eq!(self.due_order.len(), self.waiting.len());
+        if now_ms < self.not_before_ms || self.due_order.first().is_none_or(|&(due, _)| due > now_ms) {
             return Vec::new();
         }
+        /// Where a key stands in this pass.
+        enum KeyRun {
+            /// Its due items so far are run `.0`.
+            Taking(usize),
+            /// It takes no more items in this pass.
+            Stopped,
+        }
         // Keyed: each key's run of due items, in the order the runs start.
-        // Unkeyed (or keyless): every due item is a run of its own.
-        let mut runs: Vec<Vec<u64>> = Vec::new();
-        let mut run_of: foldhash::HashMap<&Bytes, usize> = Default::default();
-        // Keys that must not take any more items in this pass.
-        let mut stopped: foldhash::HashSet<&Bytes> = Default::default();
+        // Unkeyed (or keyless): every due item is a run of its own. One list
+        // of (run, offset) and the runs' lengths, not a list per run: this
+        // runs under the scheduler's lock.
+        let mut picked: Vec<(usize, u64)> = Vec::new();
+        let mut run_lengths: Vec<usize> = Vec::new();
+        let mut keys: foldhash::HashMap<&Bytes, KeyRun> = Default::default();
         let mut next_due = i64::MAX;
         let mut held_back = false;
         for (&offset, item) in self.waiting.iter().take(1024) {
@@ -307,29 +336,35 @@ impl RetryQueue {
             let due = item.due_ms <= now_ms && released;
             let key = item.record.key.as_ref().filter(|_| self.keyed);
             if let Some(key) = key {
-                if self.busy_keys.contains(key) || stopped.contains(key) {
+                if self.busy_keys.contains(key) {
                     continue;
                 }
-                if !due {
+                match keys.get(key) {
+                    Some(KeyRun::Stopped) => {}
                     // Later items of the key wait behind this one.
-                    stopped.insert(key);
-                    if !run_of.contains_key(key) {
+                    Some(&KeyRun::Taking(_)) if !due => {
+                        keys.insert(key, KeyRun::Stopped);
+                    }
+                    None if !due => {
+                        keys.insert(key, KeyRun::Stopped);
                         next_due = next_due.min(item.due_ms);
                     }
-                    continue;
-                }
-                match run_of.get(key) {
-                    Some(&run) if runs[run].len() < RETRY_UNIT_MAX_KEYED => runs[run].push(offset),
-                    Some(_) => {
-                        stopped.insert(key);
+                    Some(&KeyRun::Taking(run)) if run_lengths[run] < RETRY_UNIT_MAX_KEYED => {
+                        run_lengths[run] += 1;
+                        picked.push((run, offset));
+                    }
+                    Some(&KeyRun::Taking(_)) => {
+                        keys.insert(key, KeyRun::Stopped);
                     }
                     None => {
-                        run_of.insert(key, runs.len());
-                        runs.push(vec![offset]);
+                        keys.insert(key, KeyRun::Taking(run_lengths.len()));
+                        picked.push((run_lengths.len(), offset));
+                        run_lengths.push(1);
                     }
                 }
             } else if due {
-                runs.push(vec![offset]);
+                picked.push((run_lengths.len(), offset));
+                run_lengths.push(1);
             } else {
                 next_due = next_due.min(item.due_ms);
             }
@@ -337,21 +372,23 @@ impl RetryQueue {
         // Whole runs until the unit is full: many short runs share a unit,
         // while a long one fills a unit of its own and other threads take
         // the other keys' runs in parallel.
-        let mut taken = Vec::new();
-        for run in runs {
-            if taken.len() >= RETRY_UNIT_MAX {
-                break;
-            }
-            taken.extend(run);
+        let mut runs_taken = 0;
+        let mut taken_count = 0;
+        while runs_taken < run_lengths.len() && taken_count < RETRY_UNIT_MAX {
+            taken_count += run_lengths[runs_taken];
+            runs_taken += 1;
         }
+        picked.retain(|&(run, _)| run < runs_taken);
+        // Each run's items together, the runs in the order they started.
+        picked.sort_by_key(|&(run, _)| run);
         // An item waiting for its first outcome is not due at a known time:
         // the cache would hide it once released.
-        if taken.is_empty() && !held_back {
+        if picked.is_empty() && !held_back {
             self.not_before_ms = next_due;
         }
-        let items: Vec<RetryItem> = taken
+        let items: Vec<RetryItem> = picked
             .into_iter()
-            .filter_map(|offset| self.waiting.remove(&offset))
+            .filter_map(|(_, offset)| self.remove_waiting(offset))
             .collect();
         for item in &items {
             if self.keyed
@@ -386,7 +423,7 @@ impl RetryQueue {
             if let Some(key) = &item.record.key {
                 self.busy_keys.remove(key);
             }
-            self.waiting.insert(item.retry_offset, item);
+            self.insert_waiting(item);
         }
     }
 
@@ -442,6 +479,37 @@ mod tests {
         let a = Some(Bytes::from_static(b"a"));
         queue.complete(&[(0, 100, a.clone()), (1, 101, a)], vec![]);
         assert_eq!(queue.watermark(), 2, "offset 2 is still in progress");
+    }
+
+    #[test]
+    fn a_unit_takes_whole_runs_in_the_order_they_start_until_it_is_full() {
+        let mut queue = RetryQueue::new(0, true, 1000, vec![]);
+        let (_, _, generation) = queue.start_fetch(0).expect("a new queue reads its partition");
+        queue.fetch_ended(generation, Some(22));
+        // `k0` has three due items spread among 19 other keys' one each.
+        let mut items: Vec<RetryItem> = (0..20).map(|k| item(&format!("k{k}"), k, 5)).collect();
+        items.push(item("k0", 20, 5));
+        items.push(item("k0", 21, 5));
+        queue.add_fetched(items);
+        assert!(queue.take_due(4, |_| true).is_empty(), "nothing is due before 5");
+        let first: Vec<u64> = queue
+            .take_due(5, |_| true)
+            .iter()
+            .map(|i| i.retry_offset)
+            .collect();
+        let mut expected = vec![0, 20, 21];
+        expected.extend(1..14);
+        assert_eq!(
+            first, expected,
+            "k0's run first and whole, then runs until 16 items"
+        );
+        let rest: Vec<u64> = queue
+            .take_due(5, |_| true)
+            .iter()
+            .map(|i| i.retry_offset)
+            .collect();
+        assert_eq!(rest, (14..20).collect::<Vec<_>>());
+        assert!(queue.take_due(5, |_| true).is_empty());
     }
 
     #[test]
