@@ -280,6 +280,10 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
     let mut to_retry: Vec<(usize, ProducerRecord)> = Vec::new();
     let mut to_dead_letter: Vec<(usize, ProducerRecord)> = Vec::new();
     let mut failed_keys = KeySet::default();
+    // The hashes of `failed_keys`, where the unit knows its records' hashes:
+    // most records are not of a failed key, and this tells so without a read
+    // of their keys, which are cold until the processor reads them.
+    let mut failed_hashes: foldhash::HashSet<u32> = foldhash::HashSet::default();
     let mut buffer: Vec<Write> = Vec::new();
     let remote = pipeline.processor.remote();
     let mut prefetched = Prefetched::default();
@@ -303,6 +307,11 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         }
         let key_failed = context.gating != Gating::Off
             && !failed_keys.is_empty()
+            && match unit.key_hash(i) {
+                Some(None) => false,
+                Some(Some(hash)) => failed_hashes.contains(&hash),
+                None => true,
+            }
             && record.key.as_ref().is_some_and(|k| failed_keys.contains(k));
         if key_failed && context.gating == Gating::Hold {
             returned.push(record.clone());
@@ -432,6 +441,10 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         if context.gating != Gating::Off
             && let Some(key) = &record.key
         {
+            failed_hashes.insert(match unit.key_hash(i) {
+                Some(Some(hash)) => hash,
+                _ => WorkUnit::hash_of(key),
+            });
             failed_keys.insert(key.clone());
         }
         to_retry.push((

@@ -116,11 +116,26 @@ pub(crate) struct WorkUnit {
     pub(crate) park: Vec<usize>,
     /// The lane the records came from (busy until the unit comes back).
     pub(crate) lane: Option<usize>,
+    /// Lane units: the murmur2 hash of each record's key (see [`Queued`]), so
+    /// a unit can tell a record is not of a key that failed in it without
+    /// reading the key. Empty for ranges.
+    key_hashes: Vec<Option<u32>>,
 }
 
 impl WorkUnit {
     pub(crate) fn parks(&self, index: usize) -> bool {
         !self.park.is_empty() && self.park.contains(&index)
+    }
+
+    /// The hash of record `index`'s key, if the unit knows it (`Some(None)`:
+    /// the record has no key).
+    pub(crate) fn key_hash(&self, index: usize) -> Option<Option<u32>> {
+        self.key_hashes.get(index).copied()
+    }
+
+    /// The hash of `key`, as [`WorkUnit::key_hash`] gives it.
+    pub(crate) fn hash_of(key: &[u8]) -> u32 {
+        key_hash(key)
     }
 }
 
@@ -382,6 +397,7 @@ impl WorkQueue {
                     records,
                     park: Vec::new(),
                     lane: None,
+                    key_hashes: Vec::new(),
                 }
             }
             Units::Lanes { lanes, cursor, ready } => {
@@ -414,12 +430,14 @@ impl WorkQueue {
                 unready(ready, lanes, lane);
                 let queue = &mut lanes[lane].queue;
                 let mut records = Vec::with_capacity(cap.min(queue.len()));
+                let mut key_hashes = Vec::with_capacity(records.capacity());
                 let mut park = Vec::new();
                 while records.len() < cap {
                     let Some(queued) = queue.pop_front() else { break };
                     self.queued -= 1;
                     if self.gating == Gating::Off || !self.gate.gates_queued(&queued) {
                         records.push(queued.record);
+                        key_hashes.push(queued.key_hash);
                         continue;
                     }
                     if self.gating == Gating::Hold && self.gate.held_records < self.hold.budget {
@@ -447,9 +465,11 @@ impl WorkQueue {
                     for held in self.gate.take_held(&key) {
                         park.push(records.len());
                         records.push(held);
+                        key_hashes.push(queued.key_hash);
                     }
                     park.push(records.len());
                     records.push(record);
+                    key_hashes.push(queued.key_hash);
                 }
                 if records.is_empty() {
                     // Everything was held, or the lane pauses: it stays free
@@ -458,10 +478,12 @@ impl WorkQueue {
                     return self.take_unit(now);
                 }
                 lanes[lane].busy = true;
+                debug_assert_eq!(records.len(), key_hashes.len());
                 WorkUnit {
                     records,
                     park,
                     lane: Some(lane),
+                    key_hashes,
                 }
             }
         };
