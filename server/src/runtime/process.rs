@@ -339,8 +339,9 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
     // Output records of the processed records, by source offset.
     let mut emitted: Vec<(u64, Vec<ProducerRecord>)> = Vec::new();
     let mut give_back = false;
-    // When the last attempt ended, if it read the clock and nothing that
-    // waits (a remote call, a blocking retry) came since: the next one starts there.
+    // When the last attempt ended, if it read the clock (only a local
+    // processor's does) and no blocking retry waited since: the next one
+    // starts there.
     let mut last_ended: Option<Instant> = None;
     let mut records = unit.records.iter().enumerate();
     while let Some((i, record)) = records.next() {
@@ -424,10 +425,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
             returned.extend(records.map(|(_, r)| r.clone()));
             break;
         };
-        let started = match last_ended.take() {
-            Some(ended) if remote.is_none() => ended,
-            _ => Instant::now(),
-        };
+        let started = last_ended.take().unwrap_or_else(Instant::now);
         let which = Which {
             number: 1,
             tag,
@@ -508,10 +506,10 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         if context.gating != Gating::Off
             && let Some(key) = &record.key
         {
-            failed_hashes.insert(match unit.key_hash(i) {
-                Some(Some(hash)) => hash,
-                _ => WorkUnit::hash_of(key),
-            });
+            // A unit without hashes (ranges) looks its keys up directly.
+            if let Some(Some(hash)) = unit.key_hash(i) {
+                failed_hashes.insert(hash);
+            }
             failed_keys.insert(key.clone());
         }
         to_retry.push((

@@ -252,11 +252,11 @@ impl RetryQueue {
     }
 
     fn insert_waiting(&mut self, item: RetryItem) {
-        self.due_order.insert((item.due_ms, item.retry_offset));
+        let due = (item.due_ms, item.retry_offset);
         if let Some(replaced) = self.waiting.insert(item.retry_offset, item) {
-            debug_assert!(false, "retry offset {} waiting twice", replaced.retry_offset);
             self.due_order.remove(&(replaced.due_ms, replaced.retry_offset));
         }
+        self.due_order.insert(due);
     }
 
     fn remove_waiting(&mut self, retry_offset: u64) -> Option<RetryItem> {

@@ -132,11 +132,6 @@ impl WorkUnit {
     pub(crate) fn key_hash(&self, index: usize) -> Option<Option<u32>> {
         self.key_hashes.get(index).copied()
     }
-
-    /// The hash of `key`, as [`WorkUnit::key_hash`] gives it.
-    pub(crate) fn hash_of(key: &[u8]) -> u32 {
-        key_hash(key)
-    }
 }
 
 /// `key` order: records of the keys that hash to this lane, in offset order.
