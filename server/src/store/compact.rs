@@ -1,9 +1,7 @@
-//! `Compact`: the byte strings of the memory store's maps. Short ones (most
-//! keys, and counters' and small records' values) live in the map's own slot;
-//! longer ones in a shared `Bytes`. A slot is then the only memory a point
-//! read or an overwrite touches: with keys and values behind pointers, one
-//! `count` update met up to four cold cache lines (the slot, the key it
-//! compares, the value it copies out, and the old value freed on overwrite).
+//! `Compact`: the keys of a `MemoryStore` shard's key order. Short ones
+//! (most keys) live in the set's own slot, longer ones in a shared `Bytes`,
+//! so a range walks the order without a pointer to follow per key for most
+//! keys. (The shard's hash table keeps keys and values in `entry::Entry`.)
 
 use bytes::Bytes;
 use std::borrow::Borrow;
@@ -19,7 +17,7 @@ const INLINE_MAX: usize = 38;
 /// Sharing a `Bytes` made from a `Vec` allocates a shared header at its first
 /// clone, and every clone and drop touches that header: for a value this
 /// small, a copy reads only the value, which its reader reads anyway.
-const COPIED_MAX: usize = 64;
+pub(super) const COPIED_MAX: usize = 64;
 
 /// A byte string as the memory store keeps it. Compares, orders and hashes
 /// as the `[u8]` it holds, so maps keyed by it are looked up by `&[u8]`.
@@ -30,12 +28,12 @@ pub(super) enum Compact {
 }
 
 impl Compact {
-    /// Keeps `bytes`: copied into the slot when short, else shared as is.
-    pub(super) fn new(bytes: Bytes) -> Compact {
-        if bytes.len() <= INLINE_MAX {
-            Compact::inline(&bytes)
+    /// A copy of `slice`: in the slot when short, else in a buffer of its own.
+    pub(super) fn copy_from(slice: &[u8]) -> Compact {
+        if slice.len() <= INLINE_MAX {
+            Compact::inline(slice)
         } else {
-            Compact::Shared(bytes)
+            Compact::Shared(Bytes::copy_from_slice(slice))
         }
     }
 
@@ -62,14 +60,6 @@ impl Compact {
         match self {
             Compact::Shared(bytes) if bytes.len() > COPIED_MAX => bytes.clone(),
             _ => Bytes::copy_from_slice(self.as_slice()),
-        }
-    }
-
-    /// The bytes, giving up this string: no copy when shared.
-    pub(super) fn into_bytes(self) -> Bytes {
-        match self {
-            Compact::Shared(bytes) => bytes,
-            inline @ Compact::Inline { .. } => Bytes::copy_from_slice(inline.as_slice()),
         }
     }
 }
@@ -127,7 +117,7 @@ mod tests {
     use std::collections::HashMap;
 
     fn copy_of(slice: &[u8]) -> Compact {
-        Compact::new(Bytes::copy_from_slice(slice))
+        Compact::copy_from(slice)
     }
 
     #[test]
@@ -147,21 +137,19 @@ mod tests {
             1_000,
         ] {
             let bytes = Bytes::from((0..len).map(|i| i as u8).collect::<Vec<u8>>());
-            for compact in [Compact::new(bytes.clone()), copy_of(&bytes)] {
-                assert_eq!(matches!(compact, Compact::Inline { .. }), len <= INLINE_MAX);
-                assert_eq!(compact.as_slice(), &bytes[..]);
-                assert_eq!(compact.to_bytes(), bytes);
-                assert_eq!(compact.clone().into_bytes(), bytes);
-            }
+            let compact = copy_of(&bytes);
+            assert_eq!(matches!(compact, Compact::Inline { .. }), len <= INLINE_MAX);
+            assert_eq!(compact.as_slice(), &bytes[..]);
+            assert_eq!(compact.to_bytes(), bytes);
         }
     }
 
     #[test]
     fn a_long_value_is_shared_with_its_reader_and_a_short_one_copied() {
-        let long = Bytes::from(vec![7u8; COPIED_MAX + 1]);
-        assert_eq!(Compact::new(long.clone()).to_bytes().as_ptr(), long.as_ptr());
-        let medium = Bytes::from(vec![7u8; COPIED_MAX]);
-        assert_ne!(Compact::new(medium.clone()).to_bytes().as_ptr(), medium.as_ptr());
+        let long = copy_of(&[7u8; COPIED_MAX + 1]);
+        assert_eq!(long.to_bytes().as_ptr(), long.to_bytes().as_ptr());
+        let medium = copy_of(&[7u8; COPIED_MAX]);
+        assert_ne!(medium.to_bytes().as_ptr(), medium.to_bytes().as_ptr());
     }
 
     #[test]
