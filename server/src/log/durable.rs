@@ -471,19 +471,32 @@ impl RedbLog {
     fn append_with(
         &self,
         topic: &str,
-        records: Vec<ProducerRecord>,
+        records: &[ProducerRecord],
         mode: AppendMode,
     ) -> Result<Vec<RecordPosition>, LogError> {
+        match self.encode_append(topic, records, mode)? {
+            Some(op) => self.submit_append(topic, op, mode),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// The writer's operation appending `records` (`None` when there are none).
+    fn encode_append(
+        &self,
+        topic: &str,
+        records: &[ProducerRecord],
+        mode: AppendMode,
+    ) -> Result<Option<Op>, LogError> {
         let mirror = self.shared.topic(topic)?;
         if records.is_empty() {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         let count = mirror.partitions.len() as u32;
         let now = now_ms();
         let mut encoded = Vec::with_capacity(records.len());
         // Route and encode every record before submitting, so a bad partition rejects the
         // whole batch and the writer thread only has bytes to insert.
-        for record in &records {
+        for record in records {
             let partition = match (record.partition, &record.key) {
                 (Some(p), _) => {
                     mirror.partition(topic, p)?;
@@ -506,12 +519,16 @@ impl RedbLog {
                 size: record_size(record.key.as_deref(), &record.value, &record.headers),
             });
         }
-        drop(records);
-        let op = Op::Append {
+        Ok(Some(Op::Append {
             topic: topic.to_string(),
             records: encoded,
             mode,
-        };
+        }))
+    }
+
+    /// Hands an append to the writer: its positions once written, or nothing
+    /// at once (`AppendMode::Behind`).
+    fn submit_append(&self, topic: &str, op: Op, mode: AppendMode) -> Result<Vec<RecordPosition>, LogError> {
         if mode == AppendMode::Behind {
             // The writer notifies the partitions' listeners once the records are written.
             return self.submit_behind(op).map(|()| Vec::new());
@@ -1416,14 +1433,19 @@ impl Log for RedbLog {
     }
 
     fn append(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<Vec<RecordPosition>, LogError> {
-        self.append_with(topic, records, AppendMode::Durable)
+        // Encoded, the records are not needed while the write waits for its fsync.
+        let Some(op) = self.encode_append(topic, &records, AppendMode::Durable)? else {
+            return Ok(Vec::new());
+        };
+        drop(records);
+        self.submit_append(topic, op, AppendMode::Durable)
     }
 
     /// Returns once the records are routed and handed to the writer thread, which writes them
     /// behind the caller (at most `MAX_BEHIND` appends at a time; past that it waits for the
     /// write). A write that fails is retried, in order, before anything else; `flush` fails
     /// until it succeeds.
-    fn append_unflushed(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<(), LogError> {
+    fn append_unflushed(&self, topic: &str, records: &[ProducerRecord]) -> Result<(), LogError> {
         let taken = self.shared.behind.fetch_add(1, Ordering::AcqRel) < MAX_BEHIND;
         if !taken {
             self.shared.behind.fetch_sub(1, Ordering::AcqRel);
@@ -2317,7 +2339,7 @@ mod tests {
         let mut expected = Vec::new();
         let mut append = |tag: String, n: usize| {
             let records: Vec<_> = (0..n).map(|i| record(&tag, i)).collect();
-            log.append_unflushed("t", records).unwrap();
+            log.append_unflushed("t", &records).unwrap();
             expected.extend((0..n).map(|i| ((i % 2) as u32, format!("{tag}-{i}"))));
         };
         for round in 0..20 {

@@ -151,9 +151,10 @@ pub trait Log: Send + Sync + 'static {
     /// returns (or another durable write of the log): they are readable at once.
     /// The runtime appends failed records this way and flushes before the commit
     /// that covers them, so a record never counts as done while its retry entry
-    /// could still vanish. Default: `append`.
-    fn append_unflushed(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<(), LogError> {
-        self.append(topic, records).map(drop)
+    /// could still vanish. The records are borrowed: a caller that must append
+    /// them again after an error keeps them without a copy. Default: `append`.
+    fn append_unflushed(&self, topic: &str, records: &[ProducerRecord]) -> Result<(), LogError> {
+        self.append(topic, records.to_vec()).map(drop)
     }
 
     /// Makes every record appended so far durable. Default: nothing to do.

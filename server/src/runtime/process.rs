@@ -283,7 +283,7 @@ pub(crate) fn append_with_backoff(
     }
     let mut backoff = APPEND_BACKOFF_FIRST;
     loop {
-        let error = match shared.log.append_unflushed(topic, records.clone()) {
+        let error = match shared.log.append_unflushed(topic, &records) {
             Ok(()) => {
                 shared.note_unflushed();
                 return Ok(());
