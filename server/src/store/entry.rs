@@ -107,11 +107,31 @@ impl Entry {
     /// Replaces the value, moving the entry to the variant its new lengths
     /// call for.
     pub(super) fn set_value(&mut self, value: Bytes) {
-        if let Entry::LongKey { key, value: slot } = self
-            && key.len() + value.len() > INLINE_MAX
-        {
-            *slot = value;
-            return;
+        // The common overwrites first, in place: a counter's new value beside
+        // its key, or a long value in place of another.
+        match self {
+            Entry::Inline {
+                key_len,
+                value_len,
+                bytes,
+            } if usize::from(*key_len) + value.len() <= INLINE_MAX => {
+                let start = usize::from(*key_len);
+                bytes[start..start + value.len()].copy_from_slice(&value);
+                // At most INLINE_MAX (61): fits a u8.
+                *value_len = value.len() as u8;
+                return;
+            }
+            Entry::ShortKey {
+                key_len, value: slot, ..
+            } if usize::from(*key_len) + value.len() > INLINE_MAX => {
+                *slot = value;
+                return;
+            }
+            Entry::LongKey { key, value: slot } if key.len() + value.len() > INLINE_MAX => {
+                *slot = value;
+                return;
+            }
+            _ => {}
         }
         // Any key left is at most INLINE_MAX long: an inline entry's, a
         // short one, or a long one that now fits inline with its value.
