@@ -5,10 +5,45 @@ use super::{
     AppendListener, Log, LogError, ProducerRecord, Record, RecordPosition, Retention, partition_for_key,
     record_size,
 };
+use bytes::{Bytes, BytesMut};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The keys and values of a batch for one partition, copied into one buffer
+/// that its records share. The log then keeps no producer's buffer alive (a
+/// request's, or a key shared by many records), and a reader meets records
+/// laid out one after another whose clones and drops all count on one hot
+/// header: with the producer's buffers, each record's key was a cold header
+/// to count on, 12 % of a stream thread's time in bench `floor`.
+fn pack(mut batch: Vec<(usize, ProducerRecord)>) -> Vec<(usize, ProducerRecord)> {
+    let size: usize = batch
+        .iter()
+        .map(|(_, r)| r.key.as_ref().map_or(0, Bytes::len) + r.value.len())
+        .sum();
+    let mut buffer = BytesMut::with_capacity(size);
+    for (_, record) in &batch {
+        if let Some(key) = &record.key {
+            buffer.extend_from_slice(key);
+        }
+        buffer.extend_from_slice(&record.value);
+    }
+    let buffer = buffer.freeze();
+    let mut at = 0;
+    let mut take = |len: usize| {
+        let part = buffer.slice(at..at + len);
+        at += len;
+        part
+    };
+    for (_, record) in &mut batch {
+        if let Some(key) = &mut record.key {
+            *key = take(key.len());
+        }
+        record.value = take(record.value.len());
+    }
+    batch
+}
 
 #[derive(Default)]
 struct PartitionLog {
@@ -143,6 +178,7 @@ impl Log for MemoryLog {
                 continue;
             }
             let partition = partition as u32;
+            let batch = pack(batch);
             let mut log = topic.partitions[partition as usize]
                 .write()
                 .unwrap_or_else(|e| e.into_inner());
@@ -275,6 +311,50 @@ impl Log for MemoryLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batch_is_kept_in_one_buffer_of_the_log_and_reads_back_unchanged() {
+        let log = MemoryLog::new();
+        log.ensure_topic("t", 1).unwrap();
+        let shared_key = Bytes::from_static(b"shared-key");
+        let produced: Vec<ProducerRecord> = (0..5)
+            .map(|i| ProducerRecord {
+                key: (i != 2).then(|| {
+                    if i % 2 == 0 {
+                        shared_key.clone()
+                    } else {
+                        Bytes::from(format!("k{i}"))
+                    }
+                }),
+                value: Bytes::from("v".repeat(i + 1)),
+                headers: vec![("h".into(), Bytes::from_static(b"x"))],
+                ..ProducerRecord::default()
+            })
+            .collect();
+        log.append("t", produced.clone()).unwrap();
+        let mut read = Vec::new();
+        log.read("t", 0, 0, 10, &mut read).unwrap();
+        assert_eq!(read.len(), produced.len());
+        for (record, produced) in read.iter().zip(&produced) {
+            assert_eq!(record.key, produced.key);
+            assert_eq!(record.value, produced.value);
+            assert_eq!(record.headers, produced.headers);
+        }
+        // Copied: no record points into the producer's buffers.
+        assert_ne!(
+            read[0].key.as_ref().map(|k| k.as_ptr()),
+            Some(shared_key.as_ptr())
+        );
+        // One after another: each record's key starts where the last one's bytes end.
+        let ends: Vec<usize> = read
+            .iter()
+            .map(|r| r.value.as_ptr() as usize + r.value.len())
+            .collect();
+        for (record, end) in read[1..].iter().zip(&ends) {
+            let start = record.key.as_ref().unwrap_or(&record.value).as_ptr() as usize;
+            assert_eq!(start, *end);
+        }
+    }
 
     #[test]
     fn keyed_records_follow_kafkas_partitioner_and_offsets_grow_per_partition() {
