@@ -69,8 +69,9 @@ pub trait KeyValueStore: Send + Sync {
 
 const SHARDS: usize = 16;
 
-/// The shard of a key: FNV-1a, cheap, and keys of one partition are already
-/// spread by murmur2. Shared by both backends.
+/// The shard of a key in a persistent store: FNV-1a, cheap, and keys of one
+/// partition are already spread by murmur2. (A memory store takes it from
+/// the keyed hash its table needs anyway: `MemoryStore::locate`.)
 pub(crate) fn shard_of(key: &[u8], shards: usize) -> usize {
     let mut hash: u32 = 0x811c_9dc5;
     for &byte in key {
@@ -90,16 +91,15 @@ const PENDING_MIN: usize = 1024;
 /// The key order that ranges need is kept beside it and brought up to date
 /// only when a range asks for it, so a key pays for the order once, and
 /// nothing if no range is ever read.
+///
 /// The table holds `Entry`s, a key and its value in one 64-byte slot aligned
 /// to a cache line, so a read or an overwrite of a short key touches one line
 /// (with key and value each in a 40-byte slot of a map, an 80-byte pair that
 /// mostly straddled two: 8 % more CPU per `count` record in bench `floor`
 /// with 10 k keys, 15–20 % with 1 M).
-#[derive(Default)]
 struct Shard {
-    /// The standard library's keyed hasher on purpose: keys come from
-    /// producers, and a fixed or guessable hash would let one send keys that
-    /// all collide.
+    /// The store's hasher (see `MemoryStore::hasher`), for the table's growth
+    /// and the key order's lookups.
     hasher: RandomState,
     /// Every entry is found by the hash of its key under `hasher`.
     entries: hashbrown::HashTable<Entry>,
@@ -112,16 +112,25 @@ struct Shard {
 }
 
 impl Shard {
-    fn hash(&self, key: &[u8]) -> u64 {
-        self.hasher.hash_one(key)
+    fn new(hasher: RandomState) -> Shard {
+        Shard {
+            hasher,
+            entries: hashbrown::HashTable::new(),
+            ordered: BTreeSet::new(),
+            pending: Vec::new(),
+        }
     }
 
     fn get(&self, key: &[u8]) -> Option<&Entry> {
-        self.entries.find(self.hash(key), |entry| entry.key() == key)
+        self.find(self.hasher.hash_one(key), key)
     }
 
-    fn insert(&mut self, key: &[u8], value: Bytes) {
-        let hash = self.hash(key);
+    /// The entry of `key`, whose hash is `hash`.
+    fn find(&self, hash: u64, key: &[u8]) -> Option<&Entry> {
+        self.entries.find(hash, |entry| entry.key() == key)
+    }
+
+    fn insert(&mut self, hash: u64, key: &[u8], value: Bytes) {
         if let Some(entry) = self.entries.find_mut(hash, |entry| entry.key() == key) {
             entry.set_value(value);
             return;
@@ -132,8 +141,7 @@ impl Shard {
         self.note_new_key(Compact::copy_from(key));
     }
 
-    fn remove(&mut self, key: &[u8]) -> Option<Bytes> {
-        let hash = self.hash(key);
+    fn remove(&mut self, hash: u64, key: &[u8]) -> Option<Bytes> {
         let (old, _) = self
             .entries
             .find_entry(hash, |entry| entry.key() == key)
@@ -182,13 +190,22 @@ impl Shard {
 /// In-memory store: 16 shards, each a hash map with a key order kept for
 /// ranges (see `Shard`); ranges merge the shards.
 pub struct MemoryStore {
+    /// The standard library's keyed hasher on purpose: keys come from
+    /// producers, and a fixed or guessable hash would let one send keys that
+    /// all collide. One for the whole store: a key's hash picks its shard and
+    /// finds it in the shard's table, so an access hashes the key once.
+    hasher: RandomState,
     shards: Vec<RwLock<Shard>>,
 }
 
 impl Default for MemoryStore {
     fn default() -> Self {
+        let hasher = RandomState::new();
         MemoryStore {
-            shards: (0..SHARDS).map(|_| RwLock::default()).collect(),
+            shards: (0..SHARDS)
+                .map(|_| RwLock::new(Shard::new(hasher.clone())))
+                .collect(),
+            hasher,
         }
     }
 }
@@ -198,18 +215,23 @@ impl MemoryStore {
         Self::default()
     }
 
-    fn shard(&self, key: &[u8]) -> &RwLock<Shard> {
-        &self.shards[shard_of(key, SHARDS)]
+    /// The hash of `key` and its shard. The shard comes from bits 32–35 of
+    /// the hash, which a shard's table uses for neither its buckets (the low
+    /// bits) nor its tags (the top 7), so keys of one shard spread over both.
+    fn locate(&self, key: &[u8]) -> (u64, &RwLock<Shard>) {
+        let hash = self.hasher.hash_one(key);
+        (hash, &self.shards[(hash >> 32) as usize % SHARDS])
     }
 
     /// Applies the writes of one successful attempt, in order.
     pub fn apply(&self, writes: impl IntoIterator<Item = Write>) {
         for (key, value) in writes {
-            let mut shard = self.shard(&key).write().unwrap_or_else(|e| e.into_inner());
+            let (hash, shard) = self.locate(&key);
+            let mut shard = shard.write().unwrap_or_else(|e| e.into_inner());
             match value {
-                Some(value) => shard.insert(&key, value),
+                Some(value) => shard.insert(hash, &key, value),
                 None => {
-                    shard.remove(&key);
+                    shard.remove(hash, &key);
                 }
             }
         }
@@ -218,24 +240,23 @@ impl MemoryStore {
 
 impl KeyValueStore for MemoryStore {
     fn get(&self, key: &[u8]) -> Result<Option<Bytes>, StoreError> {
-        let shard = self.shard(key).read().unwrap_or_else(|e| e.into_inner());
-        Ok(shard.get(key).map(Entry::value_bytes))
+        let (hash, shard) = self.locate(key);
+        let shard = shard.read().unwrap_or_else(|e| e.into_inner());
+        Ok(shard.find(hash, key).map(Entry::value_bytes))
     }
 
     fn put(&self, key: Bytes, value: Bytes) -> Result<(), StoreError> {
-        self.shard(&key)
+        let (hash, shard) = self.locate(&key);
+        shard
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(&key, value);
+            .insert(hash, &key, value);
         Ok(())
     }
 
     fn delete(&self, key: &[u8]) -> Result<Option<Bytes>, StoreError> {
-        Ok(self
-            .shard(key)
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(key))
+        let (hash, shard) = self.locate(key);
+        Ok(shard.write().unwrap_or_else(|e| e.into_inner()).remove(hash, key))
     }
 
     fn range(
@@ -277,12 +298,13 @@ impl KeyValueStore for MemoryStore {
         key: &[u8],
         f: &mut dyn FnMut(Option<&Bytes>) -> Option<Bytes>,
     ) -> Result<(), StoreError> {
-        let mut shard = self.shard(key).write().unwrap_or_else(|e| e.into_inner());
-        let old = shard.get(key).map(Entry::value_bytes);
+        let (hash, shard) = self.locate(key);
+        let mut shard = shard.write().unwrap_or_else(|e| e.into_inner());
+        let old = shard.find(hash, key).map(Entry::value_bytes);
         match f(old.as_ref()) {
-            Some(value) => shard.insert(key, value),
+            Some(value) => shard.insert(hash, key, value),
             None => {
-                shard.remove(key);
+                shard.remove(hash, key);
             }
         }
         Ok(())
@@ -322,6 +344,19 @@ mod tests {
         assert_eq!(store.range(None, None, 3).unwrap()[0].0, "k000");
         assert_eq!(store.range(Some(b"z"), Some(b"a"), 0).unwrap().len(), 0);
         assert_eq!(store.len().unwrap(), 99);
+    }
+
+    #[test]
+    fn keys_spread_over_every_shard() {
+        let store = MemoryStore::new();
+        for key in 0..1_000u32 {
+            store.put(format!("k{key}").into(), "1".into()).unwrap();
+        }
+        for shard in &store.shards {
+            // 1,000 keys over 16 shards: an empty one would take a broken
+            // choice of shard (a chance of 16 · (15/16)^1000 otherwise).
+            assert!(!shard.read().unwrap().entries.is_empty());
+        }
     }
 
     #[test]
