@@ -220,7 +220,7 @@ pub fn launch() -> Result<Broker, String> {
     // before the broker binds it, so a bind failure is retried on new ports.
     let mut last_error = String::new();
     for _ in 0..3 {
-        let (broker_port, controller_port) = (free_port()?, free_port()?);
+        let [broker_port, controller_port] = free_ports()?;
         let properties = server_properties(&dir, broker_port, controller_port);
         fs::write(dir.join("server.properties"), properties)
             .map_err(|e| format!("write server.properties: {e}"))?;
@@ -493,12 +493,19 @@ fn spawn_with_pdeathsig(command: Command, log: &Path) -> Result<Child, String> {
     })
 }
 
-fn free_port() -> Result<u16, String> {
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("bind 127.0.0.1:0: {e}"))?;
-    listener
-        .local_addr()
-        .map(|a| a.port())
-        .map_err(|e| format!("the bound port: {e}"))
+/// Two free ports, distinct: both stay bound until both are known (one bound
+/// and released, then another, could give the same port twice, which Kafka
+/// refuses for its two listeners).
+fn free_ports() -> Result<[u16; 2], String> {
+    let bind = || TcpListener::bind("127.0.0.1:0").map_err(|e| format!("bind 127.0.0.1:0: {e}"));
+    let listeners = [bind()?, bind()?];
+    let port = |listener: &TcpListener| {
+        listener
+            .local_addr()
+            .map(|a| a.port())
+            .map_err(|e| format!("the bound port: {e}"))
+    };
+    Ok([port(&listeners[0])?, port(&listeners[1])?])
 }
 
 /// Whether the broker answers an ApiVersions request (v0) without error:
