@@ -232,24 +232,21 @@ impl ScenarioChild {
             quick: self.quick,
             out: self.out.clone(),
         };
-        let mut ok = true;
         let scenario_started = Instant::now();
-        let mut report = match (scenario.run)(&ctx) {
-            Ok(report) => report,
-            Err(error) => {
-                ok = false;
-                let mut report = report::ScenarioReport::new(scenario.name, scenario.summary, "");
-                report.notes.push(format!("**the scenario failed:** {error:#}"));
-                report
-            }
+        let (mut report, ran) = match (scenario.run)(&ctx) {
+            Ok(report) => (report, true),
+            Err(error) => (
+                failed_report(scenario, format!("**the scenario failed:** {error:#}")),
+                false,
+            ),
         };
         report.seconds = scenario_started.elapsed().as_secs_f64();
-        println!("{}", report.to_markdown());
-        if let Err(error) = report::write_scenario(&self.out, &report) {
-            eprintln!("taskstream-bench: cannot write {}.md: {error:#}", report.name);
-            ok = false;
+        let (_, written) = publish(&self.out, &report);
+        if ran && written {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
         }
-        if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE }
     }
 }
 
@@ -292,16 +289,29 @@ fn run_in_child(scenario: &scenarios::Scenario, child: &ScenarioChild) -> (Strin
                     path.display()
                 ),
             };
-            let mut report = report::ScenarioReport::new(scenario.name, scenario.summary, "");
-            report
-                .notes
-                .push(format!("**the scenario's process failed:** {why}"));
+            let mut report = failed_report(scenario, format!("**the scenario's process failed:** {why}"));
             report.seconds = started.elapsed().as_secs_f64();
-            let markdown = report.to_markdown();
-            println!("{markdown}");
-            if let Err(error) = report::write_scenario(&child.out, &report) {
-                eprintln!("taskstream-bench: cannot write {}.md: {error:#}", report.name);
-            }
+            let (markdown, _) = publish(&child.out, &report);
+            (markdown, false)
+        }
+    }
+}
+
+/// A report of `scenario` that holds only `note`, saying why it has no table.
+fn failed_report(scenario: &scenarios::Scenario, note: String) -> report::ScenarioReport {
+    let mut report = report::ScenarioReport::new(scenario.name, scenario.summary, "");
+    report.notes.push(note);
+    report
+}
+
+/// Prints `report` and writes `<out>/<name>.md`: its markdown, and whether the file was written.
+fn publish(out: &std::path::Path, report: &report::ScenarioReport) -> (String, bool) {
+    let markdown = report.to_markdown();
+    println!("{markdown}");
+    match report::write_scenario(out, report) {
+        Ok(()) => (markdown, true),
+        Err(error) => {
+            eprintln!("taskstream-bench: cannot write {}.md: {error:#}", report.name);
             (markdown, false)
         }
     }

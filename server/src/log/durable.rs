@@ -475,7 +475,7 @@ impl RedbLog {
         mode: AppendMode,
     ) -> Result<Vec<RecordPosition>, LogError> {
         match self.encode_append(topic, records, mode)? {
-            Some(op) => self.submit_append(topic, op, mode),
+            Some(op) => self.submit_append(topic, op),
             None => Ok(Vec::new()),
         }
     }
@@ -528,8 +528,14 @@ impl RedbLog {
 
     /// Hands an append to the writer: its positions once written, or nothing
     /// at once (`AppendMode::Behind`).
-    fn submit_append(&self, topic: &str, op: Op, mode: AppendMode) -> Result<Vec<RecordPosition>, LogError> {
-        if mode == AppendMode::Behind {
+    fn submit_append(&self, topic: &str, op: Op) -> Result<Vec<RecordPosition>, LogError> {
+        if matches!(
+            op,
+            Op::Append {
+                mode: AppendMode::Behind,
+                ..
+            }
+        ) {
             // The writer notifies the partitions' listeners once the records are written.
             return self.submit_behind(op).map(|()| Vec::new());
         }
@@ -1438,7 +1444,7 @@ impl Log for RedbLog {
             return Ok(Vec::new());
         };
         drop(records);
-        self.submit_append(topic, op, AppendMode::Durable)
+        self.submit_append(topic, op)
     }
 
     /// Returns once the records are routed and handed to the writer thread, which writes them

@@ -95,8 +95,8 @@ const PENDING_MIN: usize = 1024;
 /// The table holds `Entry`s, a key and its value in one 64-byte slot aligned
 /// to a cache line, so a read or an overwrite of a short key touches one line
 /// (with key and value each in a 40-byte slot of a map, an 80-byte pair that
-/// mostly straddled two: 8 % more CPU per `count` record in bench `floor`
-/// with 10 k keys, 15–20 % with 1 M).
+/// mostly straddled two: 6 % more CPU per `count` record in bench `floor`
+/// with 10 k keys, 23 % with 1 M).
 struct Shard {
     /// The store's hasher (see `MemoryStore::hasher`), for the table's growth
     /// and the key order's lookups.
