@@ -272,12 +272,21 @@ fn counts_through_state_ops_match_in_every_order() {
         ..Counter::default()
     };
     let served = Served::start(service.clone(), "127.0.0.1:0".parse().unwrap());
-    for (t, order) in [
-        (1, ProcessingOrder::Offset),
-        (4, ProcessingOrder::Offset),
-        (4, ProcessingOrder::Key),
+    // With one record per call a thread chains calls (one in flight at a
+    // time): a chain must end before a key it already sent, whose state the
+    // earlier call's answer has not yet changed.
+    for (t, order, per_call) in [
+        (1, ProcessingOrder::Offset, 16),
+        (4, ProcessingOrder::Offset, 16),
+        (4, ProcessingOrder::Key, 16),
+        (1, ProcessingOrder::Offset, 1),
+        (4, ProcessingOrder::Key, 1),
     ] {
-        let app = StreamsApp::start(config(&served.endpoint(), t, order, 3)).unwrap();
+        let mut config = config(&served.endpoint(), t, order, 3);
+        if let ProcessorSpec::Grpc(spec) = &mut config.pipelines[0].processor {
+            spec.max_records_per_call = per_call;
+        }
+        let app = StreamsApp::start(config).unwrap();
         let records = keyed(3_000, 17);
         app.produce("in", records).unwrap();
         assert!(app.wait_until_caught_up(WAIT), "T={t} {order:?}: not caught up");
@@ -287,7 +296,7 @@ fn counts_through_state_ops_match_in_every_order() {
             assert_eq!(
                 got.as_deref(),
                 Some(expected.to_string().as_bytes()),
-                "T={t} {order:?}: key k{k}"
+                "T={t} {order:?} {per_call} per call: key k{k}"
             );
         }
         let outcomes = outcomes(&app);

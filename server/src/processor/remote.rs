@@ -255,14 +255,47 @@ impl RemoteProcessor {
     /// While the processor is unreachable, a call first waits for the next
     /// probe time, at most `MAX_WAIT_IN_CALL`.
     pub fn call(&self, call: &Call<'_>) -> Result<Vec<RecordResult>, Unreachable> {
-        self.wait_for_probe()?;
-        let request = self.request(call);
-        let timeout = call.timeout;
-        // The call runs on the runtime, whose workers drive the connection
-        // anyway, and this thread waits for its end only: blocking on the
-        // call itself would wake this thread for each part of the answer
+        let mut ended = self.call_chain(std::slice::from_ref(call), None);
+        match ended.pop() {
+            Some(result) => result,
+            None => unreachable!("a chain answers its first call"),
+        }
+    }
+
+    /// Makes `calls` one after another (one in flight at a time) and answers
+    /// the first ones, at least one: the chain ends at the first call that
+    /// fails as a whole (unreachable, timed out, a status), and starts no call
+    /// after `stop_after`. A thread that knows its next calls waits once for
+    /// all of them instead of once per call. The calls share one timeout (each
+    /// from its own start).
+    pub fn call_chain(
+        &self,
+        calls: &[Call<'_>],
+        stop_after: Option<Instant>,
+    ) -> Vec<Result<Vec<RecordResult>, Unreachable>> {
+        if let Err(unreachable) = self.wait_for_probe() {
+            return vec![Err(unreachable)];
+        }
+        let Some(timeout) = calls.first().map(|call| call.timeout) else {
+            return Vec::new();
+        };
+        let requests = calls.iter().map(|call| self.request(call)).collect();
+        // The calls run on the runtime, whose workers drive the connection
+        // anyway, and this thread waits for the chain's end only: blocking on
+        // a call itself would wake this thread for each part of the answer
         // (headers, message, trailers), a context switch each.
-        let answer = self.callers.call(self.runtime.handle(), request, timeout);
+        let answers = self
+            .callers
+            .call(self.runtime.handle(), requests, timeout, stop_after);
+        answers
+            .into_iter()
+            .zip(calls)
+            .map(|(answer, call)| self.result_of(call, answer))
+            .collect()
+    }
+
+    fn result_of(&self, call: &Call<'_>, answer: callers::Answer) -> Result<Vec<RecordResult>, Unreachable> {
+        let timeout = call.timeout;
         match answer {
             None => {
                 let error = timed_out(timeout);
@@ -368,17 +401,14 @@ impl RemoteProcessor {
     }
 
     fn request(&self, call: &Call<'_>) -> callers::Request {
-        let deadline_ms = call
-            .timeout
-            .map_or(0, |t| crate::runtime::now_ms() + t.as_millis() as i64);
         let message = pb::ProcessRequest {
             // Written by the caller task (see `callers::Request`).
             pipeline: String::new(),
             task: String::new(),
             source_topic: String::new(),
+            deadline_ms: 0,
             partition: call.partition,
             attempt: call.attempt,
-            deadline_ms,
             records: call
                 .records
                 .iter()

@@ -406,14 +406,27 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
             Some(remote) => match prefetched.take(i) {
                 Some(result) => Ok(Run::Remote(result)),
                 None => {
-                    let batch =
-                        remote_calls::next_batch(&unit.records, i, remote.max_records_per_call(), |j, r| {
+                    let calls = remote_calls::next_calls(
+                        &unit.records,
+                        i,
+                        remote.max_records_per_call(),
+                        remote_calls::MAX_CHAIN,
+                        remote.include_state(),
+                        |j, r| {
                             unit.parks(j)
                                 || (context.gating != Gating::Off
                                     && r.key.as_ref().is_some_and(|k| failed_keys.contains(k)))
-                        });
+                        },
+                    );
                     prefetched
-                        .fetch(shared, context, remote, &unit.records, &batch)
+                        .fetch(
+                            shared,
+                            context,
+                            remote,
+                            &unit.records,
+                            &calls,
+                            started + batch_limit,
+                        )
                         .map(Run::Remote)
                 }
             },
