@@ -315,6 +315,34 @@ fn counts_through_state_ops_match_in_every_order() {
     );
 }
 
+/// A thread chains the calls of its unit; once the unit has run
+/// `max_batch_ms` it gives the rest of its records back, but not those a
+/// chain answered already: every record is sent exactly once.
+#[test]
+fn a_unit_out_of_time_keeps_the_answers_its_chain_has() {
+    let service = Counter {
+        max_latency_us: 3_000,
+        ..Counter::default()
+    };
+    let served = Served::start(service.clone(), "127.0.0.1:0".parse().unwrap());
+    let mut config = config(&served.endpoint(), 2, ProcessingOrder::Offset, 1);
+    if let ProcessorSpec::Grpc(spec) = &mut config.pipelines[0].processor {
+        // No state: nothing ends a chain before the unit's end or its time.
+        spec.include_state = false;
+        spec.max_records_per_call = 1;
+    }
+    // A unit runs out of time after a few calls, in the middle of a chain.
+    config.max_batch_ms = 10;
+    let app = StreamsApp::start(config).unwrap();
+    app.produce("in", keyed(400, 400)).unwrap();
+    assert!(app.wait_until_caught_up(WAIT));
+    let outcomes = outcomes(&app);
+    assert_eq!(outcomes.len(), 400);
+    assert!(outcomes.iter().all(|o| o.outcome == Outcome::Processed));
+    assert_eq!(service.calls.load(Ordering::SeqCst), 400, "one call per record");
+    app.shutdown().unwrap();
+}
+
 #[test]
 fn failures_retry_or_dead_letter_and_malformed_answers_fail_with_their_kind() {
     let served = Served::start(Counter::default(), "127.0.0.1:0".parse().unwrap());

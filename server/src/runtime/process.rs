@@ -352,7 +352,9 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         // `clock_every` records.
         if i == 1 || (i > 0 && i % clock_every == 0) {
             let elapsed = started.elapsed();
-            if elapsed >= batch_limit {
+            // Records up to the last one a chain of calls answered run
+            // first: giving them back would throw the answers away.
+            if elapsed >= batch_limit && !prefetched.answered_from(i) {
                 returned.push(record.clone());
                 returned.extend(records.map(|(_, r)| r.clone()));
                 break;

@@ -27,9 +27,16 @@ pub(crate) const MAX_CHAIN: usize = 64;
 #[derive(Default)]
 pub(crate) struct Prefetched {
     results: HashMap<usize, RecordResult>,
+    /// The highest index a call answered.
+    last: Option<usize>,
 }
 
 impl Prefetched {
+    /// Whether a call answered record `index` or a later one already.
+    pub(crate) fn answered_from(&self, index: usize) -> bool {
+        self.last.is_some_and(|last| last >= index)
+    }
+
     /// The result of record `index`, if a call answered it already.
     pub(crate) fn take(&mut self, index: usize) -> Option<RecordResult> {
         self.results.remove(&index)
@@ -80,6 +87,7 @@ impl Prefetched {
             };
             for (&index, result) in batch.iter().zip(results) {
                 self.results.insert(index, result);
+                self.last = self.last.max(Some(index));
             }
         }
         let first = batches.first().and_then(|batch| batch.first());
