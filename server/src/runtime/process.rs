@@ -412,7 +412,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
                         &unit.records,
                         i,
                         remote.max_records_per_call(),
-                        remote_calls::MAX_CHAIN,
+                        remote_calls::MAX_CHAIN_RECORDS,
                         remote.include_state(),
                         |j, r| {
                             unit.parks(j)
