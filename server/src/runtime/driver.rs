@@ -1,8 +1,7 @@
 //! The stream-thread loop: a thin driver of the Scheduler's picks. Each pick
 //! is carried out outside the lock by one function here, then reported back.
 //! Drop guards hand a dying thread's work back to the scheduler, and the
-//! thread's exit guard asks for a replacement, which it starts. Stream
-//! threads run as `SCHED_BATCH` (see `batch_scheduling`).
+//! thread's exit guard asks for a replacement, which it starts.
 
 use super::process;
 use super::retry::{self, RetryItem};
@@ -115,7 +114,6 @@ impl Drop for WorkGuard<'_> {
 
 fn run(shared: &Arc<Shared>, me: usize) {
     let _exit = ThreadExit { shared, me };
-    batch_scheduling();
     loop {
         let pick = {
             let mut scheduler = shared.lock();
@@ -166,32 +164,6 @@ fn run(shared: &Arc<Shared>, me: usize) {
                 context,
             } => restore(shared, me, task, from, until, &source, context),
             Pick::Commit { items, retention } => commit_round(shared, me, items, retention),
-        }
-    }
-}
-
-/// Asks the kernel to schedule this thread as `SCHED_BATCH`: the same share
-/// of the CPU at the same nice level, but its wake-ups do not preempt the
-/// thread running on the core it lands on. Stream threads wake far more often
-/// than they run long: once per remote call (64 wake-ups per 2 ms at T = 64),
-/// after each fetch, commit or idle wait. Preempting on each one switched out
-/// the remote runtime's workers, the processor's and other stream threads in
-/// the middle of their work, and cost the waker a reschedule interrupt to the
-/// other core; as a batch thread it waits for the core's thread to block or
-/// its slice to end. Needs no privilege (it lowers the thread's claim only);
-/// elsewhere than on Linux, or if the call fails, the default policy stays.
-fn batch_scheduling() {
-    #[cfg(target_os = "linux")]
-    {
-        let param = libc::sched_param { sched_priority: 0 };
-        // SAFETY: `param` is a valid `sched_param` that outlives the call, and
-        // pid 0 names the calling thread; nothing else is touched.
-        let result = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
-        if result != 0 {
-            tracing::debug!(
-                error = %std::io::Error::last_os_error(),
-                "stream thread keeps the default scheduling policy"
-            );
         }
     }
 }
