@@ -115,9 +115,19 @@ pub fn alternate<V>(
 
 /// CPU time (user + system) of this process so far, in seconds.
 pub fn cpu_seconds() -> f64 {
-    // /proc/self/stat fields 14 and 15 (utime, stime) in clock ticks; the comm field may hold
-    // spaces, so count from the ")" that ends it. USER_HZ is 100 on Linux.
-    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+    cpu_seconds_of(None)
+}
+
+/// CPU time (user + system) of process `pid` (this process for `None`) so far, in seconds; 0
+/// when unknown. For servers the harness runs as child processes.
+pub fn cpu_seconds_of(pid: Option<u32>) -> f64 {
+    let path = pid.map_or_else(
+        || "/proc/self/stat".to_string(),
+        |pid| format!("/proc/{pid}/stat"),
+    );
+    // /proc/<pid>/stat fields 14 and 15 (utime, stime) in clock ticks, every thread's; the comm
+    // field may hold spaces, so count from the ")" that ends it. USER_HZ is 100 on Linux.
+    let Ok(stat) = std::fs::read_to_string(path) else {
         return 0.0;
     };
     let Some((_, rest)) = stat.rsplit_once(')') else {
@@ -208,5 +218,10 @@ mod tests {
             x = std::hint::black_box(x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1));
         }
         assert!(cpu_seconds() - before >= 0.02, "the work shows as CPU time");
+        let now = cpu_seconds();
+        assert!(
+            cpu_seconds_of(Some(std::process::id())) >= now,
+            "by pid it reads the same counters"
+        );
     }
 }

@@ -385,6 +385,11 @@ impl ServerProcess {
         peak_rss(Some(self.child.id()))
     }
 
+    /// CPU time (user + system) the server process has used so far, in seconds.
+    pub fn cpu_seconds(&self) -> f64 {
+        crate::repeat::cpu_seconds_of(Some(self.child.id()))
+    }
+
     /// SIGKILL: no drain, no commit.
     pub fn kill(mut self) {
         let _ = self.child.kill();
