@@ -134,7 +134,9 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
              the bound (unordered); a window of at least the record count is the plain loop, \
              which also runs once per round. Ours / bare = our median records/s over the bare \
              loop's. Ratio = offset median records/s / unordered median records/s at the same \
-             setting. Efficiency = records/s / (T / mean drawn latency). Each run gets about \
+             setting. Part 2's verdict: each order at ≥ {TARGET} × its own windowed loop (the \
+             ratio at one setting compares two different windows: at small bounds it shows what \
+             the bound's meaning costs offset order, which no runtime could make up). Efficiency = records/s / (T / mean drawn latency). Each run gets about \
              {seconds} s of ideal work and is timed from `start()` until the watermark reaches \
              the end. Every variant runs {rounds} times: rounds outermost, and in each round a \
              group (part 1; in part 2 a bound with its bare loops) starts at a different variant; \
@@ -424,10 +426,15 @@ fn slow_tail(
                 unordered.cpu_us_per_record()
             ),
             load.load_cell(),
-            format!("≥ {TARGET}"),
-            Verdict::of(offset.all_finished() && unordered.all_finished() && r >= TARGET)
-                .as_str()
-                .into(),
+            format!("each ≥ {TARGET} × its bare loop"),
+            Verdict::of(
+                offset.all_finished()
+                    && unordered.all_finished()
+                    && offset.median_rate() >= TARGET * offset_bare.median_rate()
+                    && unordered.median_rate() >= TARGET * unordered_bare.median_rate(),
+            )
+            .as_str()
+            .into(),
         ]);
     }
     report.tables.push(table);
