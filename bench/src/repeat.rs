@@ -43,6 +43,12 @@ impl Samples {
         median(self.runs.iter().map(|r| r.records as f64 / r.seconds.max(1e-9)))
     }
 
+    /// The median seconds, marked when a run did not finish.
+    pub fn median_seconds_cell(&self) -> String {
+        let mark = if self.all_finished() { "" } else { " (timed out)" };
+        format!("{}{mark}", crate::report::secs(self.median_seconds()))
+    }
+
     /// "min–max" of the runs' seconds.
     pub fn seconds_spread(&self) -> String {
         let min = self.runs.iter().map(|r| r.seconds).fold(f64::INFINITY, f64::min);

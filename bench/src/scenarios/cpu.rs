@@ -6,7 +6,7 @@
 
 use super::Ctx;
 use crate::repeat;
-use crate::report::{ScenarioReport, Table, Verdict, group, rate, ratio, secs};
+use crate::report::{ScenarioReport, Table, Verdict, group, rate, ratio};
 use crate::workload::{self, Keys, deadline, run_fresh};
 use taskstream_server::{ProcessingOrder, ProcessorSpec};
 
@@ -91,11 +91,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
             partitions.to_string(),
             t.to_string(),
             order.as_str().into(),
-            format!(
-                "{}{}",
-                secs(runs.median_seconds()),
-                if runs.all_finished() { "" } else { " (timed out)" }
-            ),
+            runs.median_seconds_cell(),
             runs.seconds_spread(),
             rate(runs.median_rate()),
             format!("{:.1}", runs.cpu_us_per_record()),

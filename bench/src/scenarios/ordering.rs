@@ -8,7 +8,7 @@ use super::Ctx;
 use crate::bare;
 use crate::plot::{self, Chart, Series};
 use crate::repeat::{self, Measured, Samples};
-use crate::report::{ScenarioReport, Table, Verdict, group, rate, ratio, secs};
+use crate::report::{ScenarioReport, Table, Verdict, group, rate, ratio};
 use crate::workload::{self, Keys, deadline, run_fresh, simulate};
 use std::sync::Arc;
 use std::time::Duration;
@@ -216,11 +216,7 @@ fn uniform(report: &mut ScenarioReport, seconds: f64, rounds: usize, keys: Keys)
         let is_bare = name == "bare sleep loop";
         table.row(vec![
             name.into(),
-            format!(
-                "{}{}",
-                secs(runs.median_seconds()),
-                if runs.all_finished() { "" } else { " (timed out)" }
-            ),
+            runs.median_seconds_cell(),
             runs.seconds_spread(),
             rate(runs.median_rate()),
             ratio(runs.median_rate() / ideal),

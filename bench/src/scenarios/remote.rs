@@ -10,7 +10,7 @@
 use super::Ctx;
 use crate::plot::{self, Chart, Series};
 use crate::repeat::{self, Measured};
-use crate::report::{ScenarioReport, Table, Verdict, group, rate, ratio, secs};
+use crate::report::{ScenarioReport, Table, Verdict, group, rate, ratio};
 use crate::workload::{self, Keys, deadline, run_fresh};
 use bytes::Bytes;
 use std::net::SocketAddr;
@@ -255,11 +255,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
         table.row(vec![
             t.to_string(),
             group(records_for(t)),
-            format!(
-                "{}{}",
-                secs(runs.median_seconds()),
-                if runs.all_finished() { "" } else { " (timed out)" }
-            ),
+            runs.median_seconds_cell(),
             runs.seconds_spread(),
             rate(runs.median_rate()),
             rate(bare_rate(t)),
@@ -313,11 +309,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
         table.row(vec![
             name.into(),
             group(records),
-            format!(
-                "{}{}",
-                secs(runs.median_seconds()),
-                if runs.all_finished() { "" } else { " (timed out)" }
-            ),
+            runs.median_seconds_cell(),
             runs.seconds_spread(),
             rate(runs.median_rate()),
             ratio(runs.median_rate() / count.median_rate().max(1e-9)),

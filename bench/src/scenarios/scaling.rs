@@ -7,7 +7,7 @@ use super::Ctx;
 use crate::bare;
 use crate::plot::{self, Chart, Series};
 use crate::repeat::{self, Measured};
-use crate::report::{ScenarioReport, Table, Verdict, group, rate, ratio, secs};
+use crate::report::{ScenarioReport, Table, Verdict, group, rate, ratio};
 use crate::workload::{self, Keys, Run, deadline, run_fresh, simulate};
 use taskstream_server::ProcessingOrder;
 use taskstream_server::config::LatencySpec;
@@ -116,11 +116,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
             },
             t.to_string(),
             group(records_for(t)),
-            format!(
-                "{}{}",
-                secs(runs.median_seconds()),
-                if runs.all_finished() { "" } else { " (timed out)" }
-            ),
+            runs.median_seconds_cell(),
             runs.seconds_spread(),
             rate(runs.median_rate()),
             rate(bare_rate(t)),
