@@ -109,9 +109,9 @@ impl Prefetched {
 /// The calls a unit at `from` chains: consecutive batches of at most `max`
 /// records that will run (`skip` tells those that will not), the first
 /// starting at `from`, the others while the chain has fewer than
-/// `max_records`. With `include_state`
-/// the chain ends before a call holding a key of an earlier call: that call's
-/// state would be read before the earlier call's writes apply.
+/// `max_records`. With `include_state` the chain ends before a call holding a
+/// key of an earlier call: that call's state would be read before the earlier
+/// call's writes apply.
 pub(crate) fn next_calls(
     records: &[Record],
     from: usize,

@@ -1,6 +1,6 @@
 //! Callers: long-lived tasks of the remote runtime that make the calls of the
-//! stream threads, so that a call costs the thread one hand-off and one
-//! wake-up, and nothing per call is allocated on one thread to be freed on
+//! stream threads, so that a chain of calls costs the thread one hand-off and
+//! one wake-up, and nothing per call is allocated on one thread to be freed on
 //! another.
 //!
 //! A stream thread takes an idle caller from the processor's pool, hands it
@@ -8,11 +8,11 @@
 //! then it puts the caller back. A caller makes the chain's calls one after
 //! another, so a thread has at most one call in flight, and the thread wakes
 //! once per chain rather than once per call: with 2 ms calls and T = 64 on 2
-//! cores, a wake-up per call was most of the stream threads' time. Spawning a task per call instead (what
-//! this replaced) allocated the call's future (several KiB) on the stream
-//! thread for a worker to free, and went through the runtime's task list and
-//! a `JoinHandle` each time; on 2 cores with T = 64 that was a tenth of the
-//! stream threads' time.
+//! cores, a wake-up per call was most of the stream threads' time. Spawning a
+//! task per call instead (what this replaced) allocated the call's future
+//! (several KiB) on the stream thread for a worker to free, and went through
+//! the runtime's task list and a `JoinHandle` each time; on 2 cores with
+//! T = 64 that was a tenth of the stream threads' time.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::Thread;
@@ -38,10 +38,10 @@ enum Ended {
 type Slot = Arc<Mutex<Option<Ended>>>;
 
 /// A request whose names are still shared: the caller task writes them into
-/// the message (and its deadline, when the call starts). A `String` made on the stream thread is freed on the worker
-/// that encodes it, and with glibc's per-thread caches such crossed
-/// allocations cost several times a local one (they showed as a tenth of the
-/// stream threads' time at T = 64).
+/// the message (and its deadline, when the call starts). A `String` made on
+/// the stream thread is freed on the worker that encodes it, and with glibc's
+/// per-thread caches such crossed allocations cost several times a local one
+/// (they showed as a tenth of the stream threads' time at T = 64).
 pub(super) struct Request {
     /// Complete but for its `pipeline`, `task` and `source_topic`.
     pub(super) message: pb::ProcessRequest,
