@@ -590,6 +590,10 @@ pub struct Config {
     /// At start, delete the stores the data dir check refuses (empty, damaged, another log's,
     /// ahead of the log) and rebuild them from the log; with a missing or foreign log, all of them.
     pub reset_stores: bool,
+    /// Per persistent store: bytes of committed entries kept in memory so reads of keys not
+    /// written since the last commit skip the file (keys, values and each entry's overhead;
+    /// 0 = no cache).
+    pub store_cache_bytes: usize,
     /// What a failing record does: `retry_topic` (default) or `blocking`.
     pub retry_policy: RetryPolicy,
     /// Processing attempts of a record, the first included, before it is dead-lettered.
@@ -767,6 +771,7 @@ impl Default for Config {
             slow_subscriber: SlowSubscriberPolicy::Notify,
             data_dir: None,
             reset_stores: false,
+            store_cache_bytes: crate::store::DEFAULT_CACHE_BYTES,
             retry_policy: RetryPolicy::RetryTopic,
             retry_max_attempts: 3,
             retry_backoff_ms: 100,
@@ -806,6 +811,9 @@ impl Default for Config {
         }
     }
 }
+
+/// The smallest `store_cache_bytes` but 0.
+pub const MIN_STORE_CACHE_BYTES: usize = 64 << 10;
 
 /// gRPC's usual bound on a message (grpc-go's and tonic's default receive size).
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 << 20;
@@ -972,6 +980,14 @@ pub const SETTINGS: &[Setting] = &[
         parse_bool,
         "At start, delete the stores the data dir check refuses (empty, damaged, another log's, ahead \
          of the log; all of them when the log is missing or another dir's) and rebuild them from the log."
+    ),
+    setting!(
+        store_cache_bytes,
+        None,
+        "BYTES",
+        parse_number,
+        "Per persistent store: committed entries kept in memory, so reads of keys not written since \
+         the last commit skip the file (0 = no cache)."
     ),
     setting!(
         retry_policy,
@@ -1630,6 +1646,16 @@ impl Config {
                 ),
             ));
         }
+        if self.store_cache_bytes != 0 && self.store_cache_bytes < MIN_STORE_CACHE_BYTES {
+            return Err(ConfigError::new(
+                "store_cache_bytes",
+                format!(
+                    "is {} but must be 0 (no cache) or at least {MIN_STORE_CACHE_BYTES} (64 KiB): a \
+                     store splits it over 16 shards, and less would hold too few entries to help",
+                    self.store_cache_bytes
+                ),
+            ));
+        }
         self.validate_limits()?;
         self.validate_tls()?;
         if self.retry_max_attempts == 0 {
@@ -2240,6 +2266,7 @@ mod tests {
             ("processing_timeout_ms", "0", "0"),
             ("data_dir", "/tmp/x", "\"/tmp/x\""),
             ("reset_stores", "true", "true"),
+            ("store_cache_bytes", "1048576", "1048576"),
             ("log_format", "json", "\"json\""),
             ("application_id", "app", "\"app\""),
         ];
@@ -2519,6 +2546,15 @@ mod tests {
         let mut config = Config::embedded_default();
         config.pipelines[0].partitions = Some(3);
         assert_eq!(config.validate().unwrap_err().setting, "pipelines[0].partitions");
+        let mut config = Config::embedded_default();
+        config.store_cache_bytes = 1000;
+        let err = config.validate().unwrap_err();
+        assert_eq!(err.setting, "store_cache_bytes");
+        assert!(err.message.contains("0 (no cache) or at least 65536"), "{err}");
+        config.store_cache_bytes = 0;
+        config.validate().unwrap();
+        config.store_cache_bytes = MIN_STORE_CACHE_BYTES;
+        config.validate().unwrap();
     }
 
     #[test]

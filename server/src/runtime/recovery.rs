@@ -65,9 +65,11 @@ pub(crate) fn plan(
     wait_until_closed(shared, &id)?;
     let store = match (p.store_kind, &config.data_dir) {
         (StoreKind::Persistent, Some(dir)) => {
-            TaskStore::open_persistent(dir, group, &id).map_err(|e| RuntimeError::Storage {
-                path: e.path,
-                message: e.message,
+            TaskStore::open_persistent(dir, group, &id, config.store_cache_bytes).map_err(|e| {
+                RuntimeError::Storage {
+                    path: e.path,
+                    message: e.message,
+                }
             })?
         }
         _ => TaskStore::memory(),

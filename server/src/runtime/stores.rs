@@ -69,11 +69,13 @@ impl TaskStore {
         OpenWatch(Arc::downgrade(&self.open))
     }
 
-    /// Opens `<data_dir>/stores/<application_id>/<task_id>.redb`.
+    /// Opens `<data_dir>/stores/<application_id>/<task_id>.redb`, with a clean cache of
+    /// `cache_bytes` (`store_cache_bytes`).
     pub(crate) fn open_persistent(
         data_dir: &Path,
         application_id: &str,
         task_id: &str,
+        cache_bytes: usize,
     ) -> Result<TaskStore, StoreError> {
         let dir = data_dir.join("stores").join(application_id);
         std::fs::create_dir_all(&dir).map_err(|e| StoreError {
@@ -82,7 +84,7 @@ impl TaskStore {
         })?;
         let path: PathBuf = dir.join(format!("{task_id}.redb"));
         Ok(TaskStore {
-            backend: Backend::Persistent(Arc::new(PersistentStore::open(&path)?)),
+            backend: Backend::Persistent(Arc::new(PersistentStore::open_with_cache(&path, cache_bytes)?)),
             changelog: None,
             open: Arc::new(()),
         })
@@ -264,13 +266,18 @@ mod tests {
     fn a_store_is_closed_by_its_watch_only_once_its_file_can_be_opened_again() {
         let dir = scratch_dir("store-watch").expect("scratch dir");
         for round in 0..20 {
-            let store = Arc::new(TaskStore::open_persistent(dir.path(), "app", "t_0").expect("open"));
+            let store = Arc::new(
+                TaskStore::open_persistent(dir.path(), "app", "t_0", crate::store::DEFAULT_CACHE_BYTES)
+                    .expect("open"),
+            );
             let watch = store.open_watch();
             let last_holder = std::thread::spawn(move || drop(store));
             while watch.is_open() {
                 std::hint::spin_loop();
             }
-            if let Err(e) = TaskStore::open_persistent(dir.path(), "app", "t_0") {
+            if let Err(e) =
+                TaskStore::open_persistent(dir.path(), "app", "t_0", crate::store::DEFAULT_CACHE_BYTES)
+            {
                 panic!(
                     "round {round}: closed, yet the file cannot be opened: {}",
                     e.message

@@ -10,7 +10,9 @@ mod entry;
 mod persistent;
 use compact::Compact;
 use entry::Entry;
-pub use persistent::{Checkpoint, FreezeError, PersistentStore, StoreFacts, StoreSnapshot, WriteTag};
+pub use persistent::{
+    Checkpoint, DEFAULT_CACHE_BYTES, FreezeError, PersistentStore, StoreFacts, StoreSnapshot, WriteTag,
+};
 
 use bytes::Bytes;
 use std::collections::BTreeSet;

@@ -1,7 +1,10 @@
 //! `PersistentStore`: a redb-backed key-value store whose data and task checkpoint commit in one
 //! durable transaction. Writes land in a sharded in-memory dirty overlay; `begin_commit` freezes
-//! it, `finish_commit` writes the frozen layer while processing continues. Reads go dirty →
-//! frozen → committed redb data; snapshots (interactive queries) see only the last commit.
+//! it, `finish_commit` writes the frozen layer while processing continues and then moves its
+//! entries into the shard's clean cache, a bounded in-memory copy of committed entries. Reads go
+//! dirty → frozen → clean cache → committed redb data, and skip redb on a miss while the cache
+//! knows every committed key (see `Clean`); snapshots (interactive queries) see only the last
+//! commit, read from redb.
 
 use super::{KeyValueStore, SHARDS, StoreError, Write, shard_of};
 use bytes::Bytes;
@@ -11,6 +14,7 @@ use redb::{
 use std::any::Any;
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
+use std::hash::BuildHasher;
 use std::ops::Bound;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
@@ -206,6 +210,186 @@ enum Split {
 #[error("writes to one key are not in offset order; commit when the task is quiescent")]
 pub struct FreezeError;
 
+/// The clean cache's default budget per store, in bytes (`store_cache_bytes`).
+pub const DEFAULT_CACHE_BYTES: usize = 64 << 20;
+
+/// What a clean cache entry costs beyond its key and value bytes, so the budget bounds memory
+/// rather than payload: its 24-byte slot and control byte, in a table between 7/16 and 7/8 full
+/// as it grows by doubling.
+const SLOT_COST: usize = 48;
+
+/// A value length meaning: the key is absent from the commit.
+const TOMBSTONE: u32 = u32::MAX;
+
+/// Where one entry of a `Generation` is: its key's hash (so the table grows without hashing
+/// again or reading the arena) and its key and value, one after the other in the arena.
+struct Slot {
+    hash: u64,
+    at: u32,
+    key_len: u32,
+    /// `TOMBSTONE` for a key absent from the commit.
+    value_len: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<Slot>() == 24);
+
+impl Slot {
+    fn key<'a>(&self, arena: &'a [u8]) -> &'a [u8] {
+        let at = self.at as usize;
+        &arena[at..at + self.key_len as usize]
+    }
+
+    fn value(&self, arena: &[u8]) -> Option<Bytes> {
+        (self.value_len != TOMBSTONE).then(|| {
+            let at = self.at as usize + self.key_len as usize;
+            Bytes::copy_from_slice(&arena[at..at + self.value_len as usize])
+        })
+    }
+}
+
+/// One generation of a shard's clean cache: the entries' bytes appended to one arena and found
+/// through a table of slots. A commit adds its entries without allocating each, a lookup
+/// touches a slot and the key's bytes, and dropping the generation frees two blocks.
+#[derive(Default)]
+struct Generation {
+    slots: hashbrown::HashTable<Slot>,
+    arena: Vec<u8>,
+    /// The arena's length and `SLOT_COST` per slot added. A replaced or removed entry's bytes
+    /// stay in the arena, and charged, until the generation is dropped. (The arena's spare
+    /// capacity is not charged: past a few pages it is address space the process has not
+    /// touched.)
+    charged: usize,
+}
+
+impl Generation {
+    fn find(&self, hash: u64, key: &[u8]) -> Option<&Slot> {
+        self.slots.find(hash, |slot| slot.key(&self.arena) == key)
+    }
+
+    fn remove(&mut self, hash: u64, key: &[u8]) {
+        if let Ok(found) = self.slots.find_entry(hash, |slot| slot.key(&self.arena) == key) {
+            found.remove();
+        }
+    }
+
+    /// Adds or replaces the entry of `key`. The caller keeps `charged` within `u32::MAX`, so
+    /// every offset and length fits a `Slot`.
+    fn put(&mut self, hash: u64, key: &[u8], value: Option<&[u8]>) {
+        let tail = value.unwrap_or_default();
+        let slot = Slot {
+            hash,
+            at: self.arena.len() as u32,
+            key_len: key.len() as u32,
+            value_len: value.map_or(TOMBSTONE, |v| v.len() as u32),
+        };
+        let arena = &self.arena;
+        match self.slots.find_mut(hash, |slot| slot.key(arena) == key) {
+            Some(existing) => *existing = slot,
+            None => {
+                self.slots.insert_unique(hash, slot, |slot| slot.hash);
+                self.charged += SLOT_COST;
+            }
+        }
+        self.arena.extend_from_slice(key);
+        self.arena.extend_from_slice(tail);
+        self.charged += key.len() + tail.len();
+    }
+}
+
+/// The clean cache of one shard: committed values (and tombstones) kept in memory so that a
+/// read of a key not written since the last commit needs no redb lookup, bounded by bytes.
+///
+/// Eviction is by two generations, O(1) amortised per entry: new entries go to `young`; when
+/// `young` would outgrow half the budget, `old` is dropped whole and `young` becomes `old`.
+/// So the cache holds at most the budget, and at least half of it once full, favouring keys
+/// committed recently. A hit in `old` is not promoted: it would take the shard's write lock
+/// on the read path, and a key that is read is mostly written too (a read-modify-write), which
+/// brings it back into `young` with its next commit. For the same reason a value read from
+/// redb is not cached.
+///
+/// Invariants:
+/// - `young` and `old` hold no key twice (an insert removes the key from `old`).
+/// - An entry holds its key's value as of the last commit below the shard's frozen layer (the
+///   last durable commit once `frozen` is None): commits and restores insert every key they
+///   write, or evict it; nothing else writes the file.
+/// - `complete`: every key present in that commit has an entry, so a miss means absent. True
+///   only from an empty table (a new store, an empty file at open, a reset) and until an
+///   entry is dropped unwritten (the eviction of a non-empty `old`, an entry over half the
+///   budget, a failed restore); never with a budget of 0. While complete, tombstones are not
+///   kept: a missing key is absent anyway.
+/// - `young.charged` is at most `half_budget`, itself at most `u32::MAX`.
+struct Clean {
+    /// The standard library's keyed hasher, as `MemoryStore`'s: keys come from producers.
+    hasher: std::hash::RandomState,
+    young: Generation,
+    old: Generation,
+    /// Half this shard's share of the store's budget; 0: the cache is off.
+    half_budget: usize,
+    complete: bool,
+}
+
+impl Clean {
+    fn new(half_budget: usize, empty: bool) -> Clean {
+        Clean {
+            hasher: std::hash::RandomState::new(),
+            young: Generation::default(),
+            old: Generation::default(),
+            half_budget: half_budget.min(u32::MAX as usize),
+            complete: empty && half_budget > 0,
+        }
+    }
+
+    /// The committed value of `key` as the cache knows it: `Some(None)` for a key known to be
+    /// absent (a tombstone, or any miss while complete), `None` when only redb can tell.
+    fn lookup(&self, key: &[u8]) -> Option<Option<Bytes>> {
+        if self.half_budget == 0 {
+            return None;
+        }
+        let hash = self.hasher.hash_one(key);
+        if let Some(slot) = self.young.find(hash, key) {
+            return Some(slot.value(&self.young.arena));
+        }
+        if let Some(slot) = self.old.find(hash, key) {
+            return Some(slot.value(&self.old.arena));
+        }
+        self.complete.then_some(None)
+    }
+
+    /// Records `value` (None: deleted) as the committed value of `key`.
+    fn insert(&mut self, key: &[u8], value: Option<&[u8]>) {
+        if self.half_budget == 0 {
+            return;
+        }
+        let hash = self.hasher.hash_one(key);
+        self.old.remove(hash, key);
+        if value.is_none() && self.complete {
+            self.young.remove(hash, key);
+            return;
+        }
+        let cost = key.len() + value.map_or(0, <[u8]>::len) + SLOT_COST;
+        if cost > self.half_budget {
+            // Not kept, so the cache no longer knows every key.
+            self.young.remove(hash, key);
+            self.complete = false;
+            return;
+        }
+        if self.young.charged + cost > self.half_budget {
+            // The key's entry leaves with the rest of `young`, into `old`, where it is stale.
+            self.young.remove(hash, key);
+            if !self.old.slots.is_empty() {
+                self.complete = false;
+            }
+            self.old = std::mem::take(&mut self.young);
+        }
+        self.young.put(hash, key, value);
+    }
+
+    /// Forgets every entry; `empty`: the committed table is empty, so the cache is complete.
+    fn clear(&mut self, empty: bool) {
+        *self = Clean::new(self.half_budget, empty);
+    }
+}
+
 struct ShardState {
     /// Writes since the last `begin_commit`.
     dirty: BTreeMap<Bytes, Versions>,
@@ -215,15 +399,18 @@ struct ShardState {
     retry_tags: Vec<WriteTag>,
     /// This shard's part of the frozen commit until `finish_commit` has made it durable.
     frozen: Option<Arc<Layer>>,
+    /// Committed entries below `frozen`; see `Clean`.
+    clean: Clean,
 }
 
 impl ShardState {
-    fn new() -> ShardState {
+    fn new(clean: Clean) -> ShardState {
         ShardState {
             dirty: BTreeMap::new(),
             highest_source: None,
             retry_tags: Vec::new(),
             frozen: None,
+            clean,
         }
     }
 
@@ -443,6 +630,9 @@ impl Committed {
 /// MemoryStore's, `update`'s closure must not call back into the store.
 pub struct PersistentStore {
     shards: Box<[Shard]>,
+    /// Reads that reached the redb table, so tests can tell what the clean cache answered.
+    #[cfg(test)]
+    redb_reads: std::sync::atomic::AtomicU64,
     committed: RwLock<Arc<Committed>>,
     /// The frozen layers (one per shard) from `begin_commit` until `finish_commit` succeeds.
     pending: Mutex<Option<Pending>>,
@@ -550,8 +740,14 @@ impl PersistentStore {
     /// Opens the store file, or creates it when missing (`create` is how a data dir creates its
     /// stores, with the log's id; `crate::datadir` checks existing ones first). An empty,
     /// corrupt or unreadable file, or one that is not a redb file, is a StoreError naming the
-    /// file; it is never reset.
+    /// file; it is never reset. Its clean cache has the default budget (`DEFAULT_CACHE_BYTES`).
     pub fn open(path: &Path) -> Result<PersistentStore, StoreError> {
+        PersistentStore::open_with_cache(path, DEFAULT_CACHE_BYTES)
+    }
+
+    /// `open` with a clean cache of at most `cache_bytes` (keys, values and the overhead of
+    /// each entry; 0: no cache), shared evenly by the shards.
+    pub fn open_with_cache(path: &Path, cache_bytes: usize) -> Result<PersistentStore, StoreError> {
         if let Some(parent) = path.parent()
             && !parent.as_os_str().is_empty()
         {
@@ -566,23 +762,33 @@ impl PersistentStore {
             // An existing file only: a store deleted meanwhile is not recreated empty.
             Database::builder().set_cache_size(CACHE_BYTES).open(&reopen_path)
         });
-        PersistentStore::start(path, db, reopen)
+        PersistentStore::start(path, db, reopen, cache_bytes)
     }
 
     /// Makes sure the tables exist and loads the last commit.
-    fn start(path: &Path, db: Database, reopen: Reopen) -> Result<PersistentStore, StoreError> {
-        let committed = guarded(path, || {
+    fn start(
+        path: &Path,
+        db: Database,
+        reopen: Reopen,
+        cache_bytes: usize,
+    ) -> Result<PersistentStore, StoreError> {
+        let (committed, empty) = guarded(path, || {
             let mut txn = db.begin_write()?;
             txn.set_quick_repair(true);
             txn.open_table(DATA)?;
             txn.open_table(META)?;
             txn.commit()?;
-            Committed::load(&db)
+            let committed = Committed::load(&db)?;
+            let empty = committed.data.is_empty()?;
+            Ok((committed, empty))
         })?;
+        let clean_half_budget = cache_bytes / SHARDS / 2;
         Ok(PersistentStore {
             shards: (0..SHARDS)
-                .map(|_| Shard(RwLock::new(ShardState::new())))
+                .map(|_| Shard(RwLock::new(ShardState::new(Clean::new(clean_half_budget, empty)))))
                 .collect(),
+            #[cfg(test)]
+            redb_reads: std::sync::atomic::AtomicU64::new(0),
             committed: RwLock::new(Arc::new(committed)),
             pending: Mutex::new(None),
             writer: Mutex::new(()),
@@ -800,8 +1006,14 @@ impl PersistentStore {
         };
         let layers = pending.layers.iter().flat_map(|layer| layer.iter());
         self.write_durably(false, layers, &checkpoint)?;
-        for shard in self.shards.iter() {
-            write(&shard.0).frozen = None;
+        // The frozen entries are committed now: into the clean cache, which they replace in the
+        // read order under the same lock. The layers are one per shard, in shard order.
+        for (shard, layer) in self.shards.iter().zip(pending.layers.iter()) {
+            let mut state = write(&shard.0);
+            for (key, value) in layer.iter() {
+                state.clean.insert(key, value.as_deref());
+            }
+            state.frozen = None;
         }
         *lock(&self.pending) = None;
         Ok(Some(checkpoint))
@@ -818,7 +1030,23 @@ impl PersistentStore {
             changelog_offset: Some(changelog_next),
             ..self.checkpoint().unwrap_or_default()
         };
-        self.write_durably(false, writes.iter().map(|(k, v)| (k, v)), &checkpoint)
+        // Every shard held across the write, so no read sees the file restored and the clean
+        // cache not yet (no frozen layer covers these writes). Reads wait for the restore,
+        // which runs before the task does.
+        let mut states: Vec<_> = self.shards.iter().map(|s| write(&s.0)).collect();
+        let written = self.write_durably(false, writes.iter().map(|(k, v)| (k, v)), &checkpoint);
+        match &written {
+            // In order: a key written twice in the batch ends with its last value, as in redb.
+            Ok(()) => {
+                for (key, value) in writes {
+                    states[shard_of(key, SHARDS)].clean.insert(key, value.as_deref());
+                }
+            }
+            // The transaction may have committed before failing: what the cache knew may be
+            // stale, so it forgets it all.
+            Err(_) => states.iter_mut().for_each(|state| state.clean.clear(false)),
+        }
+        written
     }
 
     /// Removes every entry and writes `checkpoint` in one durable transaction: a copy that
@@ -827,7 +1055,12 @@ impl PersistentStore {
     pub fn reset(&self, checkpoint: &Checkpoint) -> Result<(), StoreError> {
         let _writer = lock(&self.writer);
         self.check_quiet()?;
-        self.write_durably(true, std::iter::empty(), checkpoint)
+        // As in `restore_batch`. Emptied, the store is known whole again: the cache is complete.
+        let mut states: Vec<_> = self.shards.iter().map(|s| write(&s.0)).collect();
+        let written = self.write_durably(true, std::iter::empty(), checkpoint);
+        let emptied = written.is_ok();
+        states.iter_mut().for_each(|state| state.clean.clear(emptied));
+        written
     }
 
     /// Restores and resets write below the overlay, so there must be none.
@@ -969,6 +1202,11 @@ impl PersistentStore {
         {
             return Ok(value.clone());
         }
+        if let Some(value) = state.clean.lookup(key) {
+            return Ok(value);
+        }
+        #[cfg(test)]
+        self.redb_reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let committed = read(&self.committed);
         guarded(&self.path, || committed.get(key))
     }
@@ -1698,7 +1936,7 @@ mod tests {
         let full = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let open = crate::fault_injection::opener(&file, &full);
         let db = open().unwrap();
-        let store = PersistentStore::start(&file, db, Box::new(open)).unwrap();
+        let store = PersistentStore::start(&file, db, Box::new(open), DEFAULT_CACHE_BYTES).unwrap();
         store.put(b("before"), b("1")).unwrap();
         commit(&store, 1);
 
@@ -1832,8 +2070,325 @@ mod tests {
         assert_eq!(store.checkpoint(), Some(emptied));
     }
 
+    fn redb_reads(store: &PersistentStore) -> u64 {
+        store.redb_reads.load(AtomicOrdering::Relaxed)
+    }
+
+    /// Whether every shard's clean cache is complete.
+    fn complete(store: &PersistentStore) -> bool {
+        store.shards.iter().all(|shard| read(&shard.0).clean.complete)
+    }
+
+    /// The bytes the clean caches are charged, checking each shard's accounting on the way.
+    fn clean_bytes(store: &PersistentStore) -> usize {
+        store
+            .shards
+            .iter()
+            .map(|shard| {
+                let clean = &read(&shard.0).clean;
+                for generation in [&clean.young, &clean.old] {
+                    assert!(
+                        generation.arena.len() + SLOT_COST * generation.slots.len() <= generation.charged
+                    );
+                }
+                assert!(clean.young.charged <= clean.half_budget);
+                assert!(
+                    clean
+                        .young
+                        .slots
+                        .iter()
+                        .all(|slot| { clean.old.find(slot.hash, slot.key(&clean.young.arena)).is_none() })
+                );
+                clean.young.charged + clean.old.charged
+            })
+            .sum()
+    }
+
+    /// A budget whose young generations hold about `entries` small entries per shard.
+    fn tiny_budget(entries: usize) -> usize {
+        SHARDS * 2 * entries * (SLOT_COST + 8)
+    }
+
+    #[test]
+    fn a_complete_cache_answers_committed_and_absent_keys_without_redb() {
+        let dir = TempDir::new("complete");
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        store.put(b("a"), b("1")).unwrap();
+        store.put(b("b"), Bytes::new()).unwrap();
+        store.put(b("gone"), b("x")).unwrap();
+        commit(&store, 1);
+        store.delete(b"gone").unwrap();
+        commit(&store, 2);
+        assert!(complete(&store));
+        assert_eq!(store.get(b"a").unwrap(), Some(b("1")));
+        // An empty value is a value, not a tombstone.
+        assert_eq!(store.get(b"b").unwrap(), Some(Bytes::new()));
+        assert_eq!(store.get(b"gone").unwrap(), None);
+        assert_eq!(store.get(b"never").unwrap(), None);
+        store.update(b"c", &mut count).unwrap();
+        assert_eq!(redb_reads(&store), 0, "every read answered from memory");
+
+        // Opened with data, it knows nothing yet: misses ask redb, commits fill it again.
+        drop(store);
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        assert!(!complete(&store));
+        assert_eq!(store.get(b"a").unwrap(), Some(b("1")));
+        assert_eq!(store.get(b"never").unwrap(), None);
+        assert_eq!(redb_reads(&store), 2);
+        store.put(b("a"), b("2")).unwrap();
+        store.delete(b"b").unwrap();
+        commit(&store, 3);
+        assert_eq!(redb_reads(&store), 3, "delete read b's old value");
+        assert_eq!(store.get(b"a").unwrap(), Some(b("2")));
+        // Not complete: the tombstone is kept, so the delete is known without redb too.
+        assert_eq!(store.get(b"b").unwrap(), None);
+        assert_eq!(redb_reads(&store), 3);
+
+        // Without a cache, every read below the overlay is a redb lookup.
+        drop(store);
+        let store = PersistentStore::open_with_cache(&dir.file(), 0).unwrap();
+        store.put(b("d"), b("4")).unwrap();
+        commit(&store, 4);
+        assert_eq!(store.get(b"d").unwrap(), Some(b("4")));
+        assert_eq!(store.get(b"never").unwrap(), None);
+        assert_eq!(redb_reads(&store), 2);
+        assert_eq!(clean_bytes(&store), 0);
+        // A new store without a cache cannot know its misses are absent either.
+        let other = TempDir::new("complete-off");
+        let store = PersistentStore::open_with_cache(&other.file(), 0).unwrap();
+        assert!(!complete(&store));
+    }
+
+    #[test]
+    fn eviction_keeps_reads_correct_and_the_cache_within_its_budget() {
+        let dir = TempDir::new("evict");
+        let budget = tiny_budget(4);
+        let store = PersistentStore::open_with_cache(&dir.file(), budget).unwrap();
+        let mut model = BTreeMap::new();
+        for round in 0..8u64 {
+            for i in 0..400u64 {
+                let key = Bytes::from(format!("k{i:04}"));
+                if (i + round) % 7 == 0 {
+                    store.delete(&key).unwrap();
+                    model.remove(&key);
+                } else if (i * round) % 3 == 0 {
+                    store.update(&key, &mut count).unwrap();
+                    let n = model
+                        .get(&key)
+                        .map_or(0, |v: &Bytes| u64::from_le_bytes(v.as_ref().try_into().unwrap()));
+                    model.insert(key, Bytes::copy_from_slice(&(n + 1).to_le_bytes()));
+                }
+            }
+            commit(&store, round + 1);
+            assert!(clean_bytes(&store) <= budget);
+            for i in 0..410u64 {
+                let key = Bytes::from(format!("k{i:04}"));
+                assert_eq!(
+                    store.get(&key).unwrap(),
+                    model.get(&key).cloned(),
+                    "{key:?} in round {round}"
+                );
+            }
+        }
+        assert!(!complete(&store), "400 keys do not fit");
+        assert!(redb_reads(&store) > 0);
+        assert!(clean_bytes(&store) > budget / 4, "the cache is used");
+        assert_eq!(store.len().unwrap(), model.len());
+    }
+
+    #[test]
+    fn an_entry_over_half_a_shard_budget_is_not_cached_and_ends_completeness() {
+        let dir = TempDir::new("big");
+        let store = PersistentStore::open_with_cache(&dir.file(), tiny_budget(2)).unwrap();
+        store.put(b("small"), b("1")).unwrap();
+        commit(&store, 1);
+        assert!(complete(&store));
+        store.put(b("big"), Bytes::from(vec![9u8; 1000])).unwrap();
+        commit(&store, 2);
+        assert!(!complete(&store));
+        let before = redb_reads(&store);
+        assert_eq!(store.get(b"big").unwrap(), Some(Bytes::from(vec![9u8; 1000])));
+        assert_eq!(redb_reads(&store), before + 1);
+    }
+
+    #[test]
+    fn restores_and_resets_keep_cached_reads_correct() {
+        let dir = TempDir::new("restore-cache");
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        store.put(b("a"), b("1")).unwrap();
+        store.put(b("b"), b("2")).unwrap();
+        commit(&store, 1);
+        assert_eq!(store.get(b"a").unwrap(), Some(b("1")));
+        // The restore writes below the cache: the cached values must follow.
+        store
+            .restore_batch(
+                &[
+                    (b("a"), Some(b("10"))),
+                    (b("b"), None),
+                    (b("c"), Some(b("3"))),
+                    (b("a"), Some(b("11"))),
+                ],
+                5,
+            )
+            .unwrap();
+        assert!(complete(&store), "a restore keeps a complete cache complete");
+        assert_eq!(store.get(b"a").unwrap(), Some(b("11")));
+        assert_eq!(store.get(b"b").unwrap(), None);
+        assert_eq!(store.get(b"c").unwrap(), Some(b("3")));
+        assert_eq!(redb_reads(&store), 0);
+        // A reset empties the store, and the cache knows: complete, nothing left in it.
+        store.reset(&checkpoint(9)).unwrap();
+        assert!(complete(&store));
+        assert_eq!(clean_bytes(&store), 0);
+        assert_eq!(store.get(b"a").unwrap(), None);
+        assert_eq!(store.get(b"c").unwrap(), None);
+        assert_eq!(redb_reads(&store), 0);
+        store.restore_batch(&[(b("d"), Some(b("4")))], 6).unwrap();
+        assert_eq!(store.get(b"d").unwrap(), Some(b("4")));
+        drop(store);
+
+        // A store opened with data: the restore's values are cached, the rest read from redb.
+        let store = PersistentStore::open(&dir.file()).unwrap();
+        store
+            .restore_batch(&[(b("e"), Some(b("5"))), (b("d"), None)], 7)
+            .unwrap();
+        assert_eq!(store.get(b"e").unwrap(), Some(b("5")));
+        assert_eq!(store.get(b"d").unwrap(), None);
+        assert_eq!(redb_reads(&store), 0);
+        store.reset(&checkpoint(10)).unwrap();
+        assert!(
+            complete(&store),
+            "a reset makes even a reopened store's cache complete"
+        );
+        assert_eq!(store.get(b"e").unwrap(), None);
+        assert_eq!(redb_reads(&store), 0);
+    }
+
+    /// An operation of `a_cached_store_matches_a_model`.
+    #[derive(Debug, Clone)]
+    enum Op {
+        Put(u8, Vec<u8>),
+        Delete(u8),
+        Update(u8),
+        Get(u8),
+        BeginCommit,
+        FinishCommit,
+        Reopen,
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            6 => (0u8..24, proptest::collection::vec(any::<u8>(), 0..40)).prop_map(|(k, v)| Op::Put(k, v)),
+            2 => (0u8..24).prop_map(Op::Delete),
+            4 => (0u8..24).prop_map(Op::Update),
+            6 => (0u8..24).prop_map(Op::Get),
+            2 => Just(Op::BeginCommit),
+            2 => Just(Op::FinishCommit),
+            1 => Just(Op::Reopen),
+        ]
+    }
+
+    /// Runs `ops` on a store with a clean cache of `cache_bytes` against a model: the current
+    /// values, the values a frozen commit holds, and the last durable commit (what a reopen
+    /// finds). Every read and the cache's accounting are checked as it goes.
+    fn run_against_model(ops: &[Op], cache_bytes: usize) -> Result<(), proptest::test_runner::TestCaseError> {
+        let dir = TempDir::new("cache-model");
+        let mut store = Some(PersistentStore::open_with_cache(&dir.file(), cache_bytes).unwrap());
+        let mut current: BTreeMap<u8, Bytes> = BTreeMap::new();
+        let mut frozen: Option<BTreeMap<u8, Bytes>> = None;
+        let mut durable: BTreeMap<u8, Bytes> = BTreeMap::new();
+        let mut watermark = 0;
+        let key = |k: u8| Bytes::from(vec![b'k', k]);
+        for op in ops {
+            let s = store.as_ref().unwrap();
+            match op {
+                Op::Put(k, v) => {
+                    s.put(key(*k), Bytes::from(v.clone())).unwrap();
+                    current.insert(*k, Bytes::from(v.clone()));
+                }
+                Op::Delete(k) => {
+                    let old = s.delete(&key(*k)).unwrap();
+                    proptest::prop_assert_eq!(old, current.remove(k));
+                }
+                Op::Update(k) => {
+                    let mut seen = None;
+                    s.update(&key(*k), &mut |old| {
+                        seen = old.cloned();
+                        let mut next = old.map_or_else(Vec::new, |v| v.to_vec());
+                        next.push(*k);
+                        Some(Bytes::from(next))
+                    })
+                    .unwrap();
+                    proptest::prop_assert_eq!(&seen, &current.get(k).cloned());
+                    let mut next = seen.map_or_else(Vec::new, |v| v.to_vec());
+                    next.push(*k);
+                    current.insert(*k, Bytes::from(next));
+                }
+                Op::Get(k) => {
+                    proptest::prop_assert_eq!(s.get(&key(*k)).unwrap(), current.get(k).cloned(), "key {}", k);
+                }
+                Op::BeginCommit => {
+                    watermark += 1;
+                    let began = s.begin_commit(&checkpoint(watermark)).unwrap();
+                    proptest::prop_assert_eq!(began, frozen.is_none());
+                    if began {
+                        frozen = Some(current.clone());
+                    }
+                }
+                Op::FinishCommit => {
+                    let written = s.finish_commit().unwrap();
+                    proptest::prop_assert_eq!(written.is_some(), frozen.is_some());
+                    if let Some(committed) = frozen.take() {
+                        durable = committed;
+                    }
+                }
+                Op::Reopen => {
+                    drop(store.take());
+                    let s = PersistentStore::open_with_cache(&dir.file(), cache_bytes).unwrap();
+                    current = durable.clone();
+                    frozen = None;
+                    let snapshot = s.snapshot().unwrap();
+                    for k in 0u8..24 {
+                        proptest::prop_assert_eq!(snapshot.get(&key(k)).unwrap(), durable.get(&k).cloned());
+                    }
+                    drop(snapshot);
+                    store = Some(s);
+                }
+            }
+            let s = store.as_ref().unwrap();
+            proptest::prop_assert!(clean_bytes(s) <= cache_bytes);
+        }
+        let s = store.as_ref().unwrap();
+        for k in 0u8..26 {
+            proptest::prop_assert_eq!(
+                s.get(&key(k)).unwrap(),
+                current.get(&k).cloned(),
+                "key {} at the end",
+                k
+            );
+        }
+        proptest::prop_assert_eq!(s.len().unwrap(), current.len());
+        let listed: Vec<(Bytes, Bytes)> = current.iter().map(|(k, v)| (key(*k), v.clone())).collect();
+        proptest::prop_assert_eq!(s.range(None, None, 0).unwrap(), listed);
+        Ok(())
+    }
+
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// The store with a clean cache so small that it evicts all the time (a shard's young
+        /// generation holds one or two entries, and some values fit in none) against a model.
+        #[test]
+        fn a_store_with_a_tiny_cache_matches_a_model(ops in proptest::collection::vec(op(), 1..160)) {
+            run_against_model(&ops, tiny_budget(1))?;
+        }
+
+        /// The same with the default budget, where the cache of a new store stays complete.
+        #[test]
+        fn a_store_with_the_default_cache_matches_a_model(ops in proptest::collection::vec(op(), 1..160)) {
+            run_against_model(&ops, DEFAULT_CACHE_BYTES)?;
+        }
 
         /// The persistent store against a model: records (source offsets 0..n, each writing
         /// its key) complete in random order with each key's records in offset order, writes
@@ -1890,6 +2445,48 @@ mod tests {
                     announced = Some(watermark);
                 }
             }
+        }
+    }
+
+    /// Updates of keys drawn uniformly from a million, committed every `PER_COMMIT` updates as
+    /// the benchmark `floor` does, with the clean cache off and on: where the time goes. Run
+    /// with `cargo test --release -p taskstream-server --lib cold_keys -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn cold_keys_update_throughput() {
+        const KEYS: u64 = 1_000_000;
+        const UPDATES: u64 = 4_000_000;
+        const PER_COMMIT: u64 = 200_000;
+        let keys: Vec<Vec<u8>> = (0..KEYS).map(|k| format!("key-{k:07}").into_bytes()).collect();
+        for budget in [0, DEFAULT_CACHE_BYTES, 4 * DEFAULT_CACHE_BYTES] {
+            let dir = TempDir::new("cold-keys");
+            let store = PersistentStore::open_with_cache(&dir.file(), budget).unwrap();
+            let (mut updating, mut committing) = (Duration::ZERO, Duration::ZERO);
+            let mut x = 42u64;
+            for round in 0..UPDATES / PER_COMMIT {
+                let start = Instant::now();
+                for _ in 0..PER_COMMIT {
+                    // splitmix64
+                    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+                    let mut z = x;
+                    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                    z ^= z >> 31;
+                    store.update(&keys[(z % KEYS) as usize], &mut count).unwrap();
+                }
+                let committed = Instant::now();
+                commit(&store, round + 1);
+                updating += committed - start;
+                committing += committed.elapsed();
+            }
+            println!(
+                "cache {budget:>10} B: {:.2} µs/update reading and writing, {:.2} µs/update committing, \
+                 {} reads reached redb, complete: {}",
+                updating.as_secs_f64() * 1e6 / UPDATES as f64,
+                committing.as_secs_f64() * 1e6 / UPDATES as f64,
+                redb_reads(&store),
+                complete(&store)
+            );
         }
     }
 

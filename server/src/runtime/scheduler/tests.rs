@@ -383,7 +383,10 @@ fn a_commit_waiting_for_an_idle_task_is_handed_out_once_until_it_is_frozen() {
     s.add_thread();
     s.add_thread();
     let mut persistent = init(0, ProcessingOrder::Offset, 1, 0, 10);
-    persistent.store = Arc::new(TaskStore::open_persistent(dir.path(), "app", "p_0").expect("store"));
+    persistent.store = Arc::new(
+        TaskStore::open_persistent(dir.path(), "app", "p_0", crate::store::DEFAULT_CACHE_BYTES)
+            .expect("store"),
+    );
     let t = s.add_task(persistent);
     let log: Vec<Record> = (0..30).map(|o| record(0, o, "k")).collect();
     let (_, unit, context) = first_unit(&mut s, 0, &log, now);
