@@ -1004,8 +1004,14 @@ impl PersistentStore {
             Some(next) => Some(next),
             None => self.checkpoint().and_then(|c| c.changelog_offset),
         };
-        let layers = pending.layers.iter().flat_map(|layer| layer.iter());
-        self.write_durably(false, layers, &checkpoint)?;
+        // In key order over all shards: each layer is sorted, but one after the other they
+        // would sweep redb's B-tree once per shard, and a tree larger than redb's page cache
+        // is then read from the file again by every sweep. The stable sort merges the sorted
+        // runs (keys are unique: a key belongs to one shard).
+        let mut sorted: Vec<(&Bytes, &Option<Bytes>)> =
+            pending.layers.iter().flat_map(|layer| layer.iter()).collect();
+        sorted.sort_by(|a, b| a.0.cmp(b.0));
+        self.write_durably(false, sorted.into_iter(), &checkpoint)?;
         // The frozen entries are committed now: into the clean cache, which they replace in the
         // read order under the same lock. The layers are one per shard, in shard order.
         for (shard, layer) in self.shards.iter().zip(pending.layers.iter()) {
