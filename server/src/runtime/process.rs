@@ -2,6 +2,11 @@
 //! buffer over the store), a unit of source records (failures go to the retry
 //! topic and the unit moves on; `blocking` retries in place), a unit of retry
 //! items, and a step of a memory store's replay at start.
+//!
+//! Over 600 lines: `run_unit` and `run_retries` each decide, in one pass
+//! over their records, every record's outcome (processed, retried,
+//! dead-lettered, parked, given back); split up, those rules would live in
+//! two places.
 
 use super::attempt::AttemptStore;
 use super::remote_calls::{self, Prefetched};

@@ -3,6 +3,8 @@
 //! one at a time, in order), and the retry-topic watermark committed with the
 //! source watermark. Invariants: an entry is waiting, in progress, or final —
 //! one of them; the watermark is the final prefix.
+//!
+//! About 430 lines of code; the rest are its tests.
 
 use super::retry::RetryItem;
 use super::sequencer::Sequencer;
