@@ -125,21 +125,9 @@ impl StreamsApp {
         offset: u64,
         max: usize,
     ) -> Result<TopicRead, RuntimeError> {
-        let shared = self.shared();
-        shared.ensure_running()?;
-        if topic.is_empty() {
-            return Err(RuntimeError::invalid_argument("topic", "must not be empty"));
-        }
-        let mut records = Vec::new();
-        shared.log.read(topic, partition, offset, max, &mut records)?;
-        // Asked after the read, so the end is past every record returned even
-        // while producers append, and the start is what is retained now.
-        Ok(TopicRead {
-            records,
-            start_offset: shared.log.start_offset(topic, partition)?,
-            end_offset: shared.log.end_offset(topic, partition)?,
-            partitions: shared.log.partitions(topic)?,
-        })
+        // A page without a byte limit: one place checks the arguments and
+        // reads the partition's bounds.
+        self.read_topic_page(topic, partition, offset, max, usize::MAX)
     }
 
     /// StreamsMetadata of the instances hosting `store`. `in_order` is refused

@@ -54,7 +54,13 @@ impl StreamsApp {
         let mut bytes = 0usize;
         let mut next = offset;
         'page: while records.len() < max_records {
-            let want = (max_records - records.len()).min(CHUNK);
+            // Without a byte limit nothing read can be too much: one read.
+            let left = max_records - records.len();
+            let want = if max_bytes == usize::MAX {
+                left
+            } else {
+                left.min(CHUNK)
+            };
             let mut chunk = Vec::with_capacity(want);
             shared.log.read(topic, partition, next, want, &mut chunk)?;
             let short = chunk.len() < want;
@@ -71,7 +77,8 @@ impl StreamsApp {
                 break;
             }
         }
-        // Asked after the read, as `read_topic` does: the end is past every record returned.
+        // Asked after the read, so the end is past every record returned even
+        // while producers append, and the start is what is retained now.
         Ok(TopicRead {
             records,
             start_offset: shared.log.start_offset(topic, partition)?,
