@@ -5,8 +5,12 @@
 //! dirty → frozen → clean cache → committed redb data, and skip redb on a miss while the cache
 //! knows every committed key (see `Clean`); snapshots (interactive queries) see only the last
 //! commit, read from redb.
+//!
+//! The in-memory layers are hash tables, and an access hashes its key once (one keyed hash picks
+//! the shard and finds the key in each layer); `finish_commit` sorts a commit's writes into
+//! key order for redb once, rather than every write paying for an ordered map.
 
-use super::{KeyValueStore, SHARDS, StoreError, Write, shard_of};
+use super::{KeyValueStore, SHARDS, StoreError, Write};
 use bytes::Bytes;
 use redb::{
     Database, ReadOnlyTable, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
@@ -15,7 +19,7 @@ use std::any::Any;
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
 use std::hash::BuildHasher;
-use std::ops::Bound;
+use std::ops::{Bound, RangeBounds};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -88,8 +92,31 @@ pub struct StoreFacts {
 /// keys live in the dirty overlay anyway, so the cache only serves cold reads.
 const CACHE_BYTES: usize = 64 * 1024 * 1024;
 
-/// A layer of writes: `None` is a tombstone hiding the key in the layers below.
+/// Uncommitted writes in key order, as `range` merges them over redb's: `None` is a tombstone
+/// hiding the key in the layers below.
 type Layer = BTreeMap<Bytes, Option<Bytes>>;
+
+/// A key of a shard's dirty layer with its uncommitted versions, and the key's hash under the
+/// store's hasher: the tables grow without hashing keys again, and the layers below are probed
+/// with the same hash.
+struct DirtyEntry {
+    hash: u64,
+    key: Bytes,
+    versions: Versions,
+}
+
+/// A key of a frozen commit and its value (`None`: deleted), with its hash as in `DirtyEntry`.
+struct FrozenEntry {
+    hash: u64,
+    key: Bytes,
+    value: Option<Bytes>,
+}
+
+/// A shard's part of a frozen commit. A hash table like the dirty layer, not in key order: a
+/// read finds its key in one probe, and only the commit's write sorts the keys, once
+/// (`finish_commit_via`). An ordered map cost a key comparison per tree level on every access
+/// (a quarter of the stream thread with a million keys, perf).
+type FrozenLayer = hashbrown::HashTable<FrozenEntry>;
 
 /// Which record a write belongs to, so that a commit takes exactly the writes of the records its
 /// checkpoint covers (see `begin_commit`).
@@ -318,9 +345,10 @@ impl Generation {
 ///   budget, a failed restore); never with a budget of 0. While complete, tombstones are not
 ///   kept: a missing key is absent anyway.
 /// - `young.charged` is at most `half_budget`, itself at most `u32::MAX`.
+///
+/// Keys are found by their hash under the store's hasher (`PersistentStore::hasher`), which the
+/// caller passes in.
 struct Clean {
-    /// The standard library's keyed hasher, as `MemoryStore`'s: keys come from producers.
-    hasher: std::hash::RandomState,
     young: Generation,
     old: Generation,
     /// Half this shard's share of the store's budget; 0: the cache is off.
@@ -331,7 +359,6 @@ struct Clean {
 impl Clean {
     fn new(half_budget: usize, empty: bool) -> Clean {
         Clean {
-            hasher: std::hash::RandomState::new(),
             young: Generation::default(),
             old: Generation::default(),
             half_budget: half_budget.min(u32::MAX as usize),
@@ -341,11 +368,10 @@ impl Clean {
 
     /// The committed value of `key` as the cache knows it: `Some(None)` for a key known to be
     /// absent (a tombstone, or any miss while complete), `None` when only redb can tell.
-    fn lookup(&self, key: &[u8]) -> Option<Option<Bytes>> {
+    fn lookup(&self, hash: u64, key: &[u8]) -> Option<Option<Bytes>> {
         if self.half_budget == 0 {
             return None;
         }
-        let hash = self.hasher.hash_one(key);
         if let Some(slot) = self.young.find(hash, key) {
             return Some(slot.value(&self.young.arena));
         }
@@ -356,11 +382,10 @@ impl Clean {
     }
 
     /// Records `value` (None: deleted) as the committed value of `key`.
-    fn insert(&mut self, key: &[u8], value: Option<&[u8]>) {
+    fn insert(&mut self, hash: u64, key: &[u8], value: Option<&[u8]>) {
         if self.half_budget == 0 {
             return;
         }
-        let hash = self.hasher.hash_one(key);
         self.old.remove(hash, key);
         if value.is_none() && self.complete {
             self.young.remove(hash, key);
@@ -391,14 +416,14 @@ impl Clean {
 }
 
 struct ShardState {
-    /// Writes since the last `begin_commit`.
-    dirty: BTreeMap<Bytes, Versions>,
+    /// Writes since the last `begin_commit`, found by key hash (see `DirtyEntry`).
+    dirty: hashbrown::HashTable<DirtyEntry>,
     /// The highest source offset and the retry tags in `dirty`: when the checkpoint covers them
     /// all, a commit takes the whole layer without looking at each key.
     highest_source: Option<u64>,
     retry_tags: Vec<WriteTag>,
     /// This shard's part of the frozen commit until `finish_commit` has made it durable.
-    frozen: Option<Arc<Layer>>,
+    frozen: Option<Arc<FrozenLayer>>,
     /// Committed entries below `frozen`; see `Clean`.
     clean: Clean,
 }
@@ -406,7 +431,7 @@ struct ShardState {
 impl ShardState {
     fn new(clean: Clean) -> ShardState {
         ShardState {
-            dirty: BTreeMap::new(),
+            dirty: hashbrown::HashTable::new(),
             highest_source: None,
             retry_tags: Vec::new(),
             frozen: None,
@@ -429,60 +454,102 @@ impl ShardState {
             && self.retry_tags.iter().all(|tag| tag.covered_by(checkpoint))
     }
 
-    fn write(&mut self, key: Bytes, tag: WriteTag, value: Option<Bytes>, settled_below: u64) {
+    /// The uncommitted versions of `key`, whose hash is `hash`.
+    fn dirty(&self, hash: u64, key: &[u8]) -> Option<&Versions> {
+        self.dirty
+            .find(hash, |entry| entry.key == key)
+            .map(|entry| &entry.versions)
+    }
+
+    /// The value of `key` as of the last commit, if the frozen layer or the clean cache knows it:
+    /// `Some(None)` for a key known to be absent, `None` when only redb can tell.
+    fn below_dirty(&self, hash: u64, key: &[u8]) -> Option<Option<Bytes>> {
+        if let Some(frozen) = &self.frozen
+            && let Some(entry) = frozen.find(hash, |entry| entry.key == key)
+        {
+            return Some(entry.value.clone());
+        }
+        self.clean.lookup(hash, key)
+    }
+
+    /// Adds a version of `key`, whose hash is `hash`. `owned` makes the key's `Bytes` only
+    /// when it has no entry yet: a key written again costs no allocation.
+    fn write(
+        &mut self,
+        hash: u64,
+        key: &[u8],
+        owned: impl FnOnce() -> Bytes,
+        tag: WriteTag,
+        value: Option<Bytes>,
+        settled_below: u64,
+    ) {
         self.note_tag(tag);
         let settled = |tag: WriteTag| match tag {
             WriteTag::Untracked => true,
             WriteTag::Source(offset) => offset < settled_below,
             WriteTag::Retry { .. } => false,
         };
-        match self.dirty.get_mut(&key) {
-            Some(versions) => versions.push(tag, value, settled),
+        match self.dirty.find_mut(hash, |entry| entry.key == key) {
+            Some(entry) => entry.versions.push(tag, value, settled),
             None => {
-                self.dirty.insert(key, Versions::One(tag, value));
+                let entry = DirtyEntry {
+                    hash,
+                    key: owned(),
+                    versions: Versions::One(tag, value),
+                };
+                self.dirty.insert_unique(hash, entry, |entry| entry.hash);
             }
         }
     }
 
     /// Moves what `checkpoint` covers into a new frozen layer.
-    fn freeze(&mut self, checkpoint: &Checkpoint) -> Arc<Layer> {
-        let layer = if self.all_covered_by(checkpoint) {
-            self.highest_source = None;
-            self.retry_tags.clear();
-            std::mem::take(&mut self.dirty)
-                .into_iter()
-                .map(|(key, mut versions)| {
-                    let value = match &mut versions {
-                        Versions::One(_, value) => value.take(),
-                        Versions::Chain(chain) => chain.pop().and_then(|(_, value)| value),
-                    };
-                    (key, value)
-                })
-                .collect()
-        } else {
-            let mut layer = Layer::new();
-            self.dirty.retain(|key, versions| {
-                // `begin_commit` checked every chain first, so a split cannot fail here.
-                match versions.split(checkpoint) {
-                    Ok(Split::All(value)) => {
-                        layer.insert(key.clone(), value);
-                        false
-                    }
-                    Ok(Split::Part(value)) => {
-                        layer.insert(key.clone(), value);
-                        true
-                    }
-                    Ok(Split::None) | Err(()) => true,
-                }
-            });
-            self.highest_source = None;
-            self.retry_tags.clear();
-            let tags: Vec<WriteTag> = self.dirty.values().flat_map(Versions::tags).collect();
-            for tag in tags {
-                self.note_tag(tag);
+    fn freeze(&mut self, checkpoint: &Checkpoint) -> Arc<FrozenLayer> {
+        let mut layer = FrozenLayer::with_capacity(self.dirty.len());
+        if self.all_covered_by(checkpoint) {
+            // The next interval likely writes about as many keys: room for them up front, so
+            // the table does not grow again by doubling.
+            let capacity = self.dirty.len();
+            let dirty = std::mem::replace(&mut self.dirty, hashbrown::HashTable::with_capacity(capacity));
+            for entry in dirty {
+                let value = match entry.versions {
+                    Versions::One(_, value) => value,
+                    Versions::Chain(mut chain) => chain.pop().and_then(|(_, value)| value),
+                };
+                let frozen = FrozenEntry {
+                    hash: entry.hash,
+                    key: entry.key,
+                    value,
+                };
+                layer.insert_unique(frozen.hash, frozen, |entry| entry.hash);
             }
-            layer
-        };
+        } else {
+            self.dirty.retain(|entry| {
+                // `begin_commit` checked every chain first, so a split cannot fail here.
+                let (value, stays) = match entry.versions.split(checkpoint) {
+                    Ok(Split::All(value)) => (value, false),
+                    Ok(Split::Part(value)) => (value, true),
+                    Ok(Split::None) | Err(()) => return true,
+                };
+                let frozen = FrozenEntry {
+                    hash: entry.hash,
+                    key: entry.key.clone(),
+                    value,
+                };
+                layer.insert_unique(frozen.hash, frozen, |entry| entry.hash);
+                stays
+            });
+            layer.shrink_to_fit(|entry| entry.hash);
+        }
+        self.highest_source = None;
+        self.retry_tags.clear();
+        let tags: Vec<WriteTag> = self
+            .dirty
+            .iter()
+            .flat_map(|entry| entry.versions.tags())
+            .collect();
+        for tag in tags {
+            self.note_tag(tag);
+        }
         let layer = Arc::new(layer);
         self.frozen = Some(layer.clone());
         layer
@@ -491,12 +558,14 @@ impl ShardState {
     /// Whether every key's covered versions form a prefix of its chain.
     fn can_freeze(&self, checkpoint: &Checkpoint) -> bool {
         self.all_covered_by(checkpoint)
-            || self.dirty.values().all(|versions| {
-                let covered = versions
+            || self.dirty.iter().all(|entry| {
+                let covered = entry
+                    .versions
                     .tags()
                     .take_while(|tag| tag.covered_by(checkpoint))
                     .count();
-                !versions
+                !entry
+                    .versions
                     .tags()
                     .skip(covered)
                     .any(|tag| tag.covered_by(checkpoint))
@@ -507,7 +576,7 @@ impl ShardState {
 /// A frozen commit not yet durable: one layer per shard, and the checkpoint it is as of.
 #[derive(Clone)]
 struct Pending {
-    layers: Arc<[Arc<Layer>]>,
+    layers: Arc<[Arc<FrozenLayer>]>,
     checkpoint: Checkpoint,
 }
 
@@ -629,6 +698,10 @@ impl Committed {
 /// A failed (or panicking) read of the redb file is a `StoreError` naming the file. Like
 /// MemoryStore's, `update`'s closure must not call back into the store.
 pub struct PersistentStore {
+    /// The standard library's keyed hasher, as `MemoryStore`'s: keys come from producers. One
+    /// for the whole store: a key's hash picks its shard and finds it in every layer of it, so
+    /// an access hashes the key once.
+    hasher: std::hash::RandomState,
     shards: Box<[Shard]>,
     /// Reads that reached the redb table, so tests can tell what the clean cache answered.
     #[cfg(test)]
@@ -656,6 +729,26 @@ pub struct PersistentStore {
 
 /// How `PersistentStore` opens its file again after a storage error.
 type Reopen = Box<dyn Fn() -> Result<Database, redb::DatabaseError> + Send + Sync>;
+
+/// A frozen write as a commit sorts them: the key's `sort_prefix`, the key, the value.
+type SortedWrite<'a> = (u128, &'a Bytes, &'a Option<Bytes>);
+
+/// The first 16 bytes of `key`, big-endian and zero-padded. Keys whose prefixes differ are in
+/// the order of their prefixes (a shorter key padded with zeros sorts before any longer key
+/// that continues it, as in byte order), so a sort compares these integers, kept in its
+/// vector, and follows the keys' pointers only on a tie.
+fn sort_prefix(key: &[u8]) -> u128 {
+    let mut bytes = [0u8; 16];
+    let n = key.len().min(16);
+    bytes[..n].copy_from_slice(&key[..n]);
+    u128::from_be_bytes(bytes)
+}
+
+/// The shard of a key with this hash (under `PersistentStore::hasher`): bits the hash tables
+/// use neither for the bucket (the low bits) nor for the tag (the top 7).
+fn shard_index(hash: u64) -> usize {
+    (hash >> 32) as usize % SHARDS
+}
 
 /// Whether a redb error comes from the storage under the file rather than from its content:
 /// what reopening the file can heal once the storage works again.
@@ -784,6 +877,7 @@ impl PersistentStore {
         })?;
         let clean_half_budget = cache_bytes / SHARDS / 2;
         Ok(PersistentStore {
+            hasher: std::hash::RandomState::new(),
             shards: (0..SHARDS)
                 .map(|_| Shard(RwLock::new(ShardState::new(Clean::new(clean_half_budget, empty)))))
                 .collect(),
@@ -945,7 +1039,7 @@ impl PersistentStore {
         {
             return Err(FreezeError);
         }
-        let layers: Arc<[Arc<Layer>]> = self
+        let layers: Arc<[Arc<FrozenLayer>]> = self
             .shards
             .iter()
             .map(|shard| write(&shard.0).freeze(checkpoint))
@@ -963,7 +1057,8 @@ impl PersistentStore {
     pub fn apply(&self, tag: WriteTag, writes: impl IntoIterator<Item = Write>, settled_below: u64) {
         let settled_below = settled_below.min(self.announced.load(std::sync::atomic::Ordering::SeqCst));
         for (key, value) in writes {
-            write(self.shard(&key)).write(key, tag, value, settled_below);
+            let (hash, shard) = self.locate(&key);
+            write(shard).write(hash, &key, || key.clone(), tag, value, settled_below);
         }
     }
 
@@ -975,49 +1070,68 @@ impl PersistentStore {
     /// On error the frozen commit stays in place (reads still see it) and pending: calling
     /// this again retries it, which is harmless since it holds plain puts and deletes.
     pub fn finish_commit(&self) -> Result<Option<Checkpoint>, StoreError> {
-        self.finish_commit_via(|_, _| Ok(None))
+        // Without a changelog the writes are not copied out at all.
+        self.write_pending(|_, _| Ok(None))
     }
 
-    /// `finish_commit`, handing the frozen commit's checkpoint and writes to `changelog` first
-    /// (a store on Kafka sends the writes to its changelog topic there, and under
-    /// exactly-once commits them with the checkpoint's positions in one transaction). It runs under the lock that serialises
-    /// commits, so the writes of two commits never reach the changelog out of order, and
-    /// answers the changelog offset after its writes (`None`: it sent nothing), which the
-    /// checkpoint records; without one the checkpoint keeps the previous commit's. If it
-    /// fails, nothing is written and the commit stays pending (sent twice is harmless: the
-    /// changelog holds values, not changes).
+    /// `finish_commit`, handing the frozen commit's checkpoint and writes (in key order) to
+    /// `changelog` first (a store on Kafka sends the writes to its changelog topic there, and
+    /// under exactly-once commits them with the checkpoint's positions in one transaction). It
+    /// runs under the lock that serialises commits, so the writes of two commits never reach
+    /// the changelog out of order, and answers the changelog offset after its writes (`None`:
+    /// it sent nothing), which the checkpoint records; without one the checkpoint keeps the
+    /// previous commit's. If it fails, nothing is written and the commit stays pending (sent
+    /// twice is harmless: the changelog holds values, not changes).
     pub fn finish_commit_via(
         &self,
         changelog: impl FnOnce(&Checkpoint, Vec<Write>) -> Result<Option<u64>, StoreError>,
+    ) -> Result<Option<Checkpoint>, StoreError> {
+        self.write_pending(|checkpoint, sorted| {
+            let writes = sorted
+                .iter()
+                .map(|(_, key, value)| ((*key).clone(), (*value).clone()))
+                .collect();
+            changelog(checkpoint, writes)
+        })
+    }
+
+    /// `finish_commit_via` with the frozen writes as they are sorted for redb.
+    fn write_pending(
+        &self,
+        changelog: impl FnOnce(&Checkpoint, &[SortedWrite<'_>]) -> Result<Option<u64>, StoreError>,
     ) -> Result<Option<Checkpoint>, StoreError> {
         let _writer = lock(&self.writer);
         let Some(pending) = lock(&self.pending).clone() else {
             return Ok(None);
         };
-        let writes: Vec<Write> = pending
+        // In key order over all shards: in hash order the inserts would land all over redb's
+        // B-tree, and a tree larger than redb's page cache is then read from the file again
+        // and again. Sorted here, once per commit, rather than kept in order on every write.
+        let mut sorted: Vec<SortedWrite<'_>> = pending
             .layers
             .iter()
-            .flat_map(|layer| layer.iter().map(|(key, value)| (key.clone(), value.clone())))
+            .flat_map(|layer| layer.iter())
+            .map(|entry| (sort_prefix(&entry.key), &entry.key, &entry.value))
             .collect();
-        let mut checkpoint = pending.checkpoint;
-        checkpoint.changelog_offset = match changelog(&checkpoint, writes)? {
+        // Keys are unique (a key belongs to one shard), so an unstable sort is exact.
+        sorted.sort_unstable_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(b.1)));
+        let mut checkpoint = pending.checkpoint.clone();
+        checkpoint.changelog_offset = match changelog(&checkpoint, &sorted)? {
             Some(next) => Some(next),
             None => self.checkpoint().and_then(|c| c.changelog_offset),
         };
-        // In key order over all shards: each layer is sorted, but one after the other they
-        // would sweep redb's B-tree once per shard, and a tree larger than redb's page cache
-        // is then read from the file again by every sweep. The stable sort merges the sorted
-        // runs (keys are unique: a key belongs to one shard).
-        let mut sorted: Vec<(&Bytes, &Option<Bytes>)> =
-            pending.layers.iter().flat_map(|layer| layer.iter()).collect();
-        sorted.sort_by(|a, b| a.0.cmp(b.0));
-        self.write_durably(false, sorted.into_iter(), &checkpoint)?;
+        self.write_durably(
+            false,
+            sorted.iter().map(|(_, key, value)| (*key, *value)),
+            &checkpoint,
+        )?;
+        drop(sorted);
         // The frozen entries are committed now: into the clean cache, which they replace in the
         // read order under the same lock. The layers are one per shard, in shard order.
         for (shard, layer) in self.shards.iter().zip(pending.layers.iter()) {
             let mut state = write(&shard.0);
-            for (key, value) in layer.iter() {
-                state.clean.insert(key, value.as_deref());
+            for entry in layer.iter() {
+                state.clean.insert(entry.hash, &entry.key, entry.value.as_deref());
             }
             state.frozen = None;
         }
@@ -1045,7 +1159,10 @@ impl PersistentStore {
             // In order: a key written twice in the batch ends with its last value, as in redb.
             Ok(()) => {
                 for (key, value) in writes {
-                    states[shard_of(key, SHARDS)].clean.insert(key, value.as_deref());
+                    let hash = self.hasher.hash_one(key);
+                    states[shard_index(hash)]
+                        .clean
+                        .insert(hash, key, value.as_deref());
                 }
             }
             // The transaction may have committed before failing: what the cache knew may be
@@ -1197,18 +1314,18 @@ impl PersistentStore {
         &self.path
     }
 
-    fn shard(&self, key: &[u8]) -> &RwLock<ShardState> {
-        &self.shards[shard_of(key, SHARDS)].0
+    /// The hash of `key` under the store's hasher, and its shard.
+    fn locate(&self, key: &[u8]) -> (u64, &RwLock<ShardState>) {
+        let hash = self.hasher.hash_one(key);
+        (hash, &self.shards[shard_index(hash)].0)
     }
 
-    /// The value of `key` below the dirty layer of its shard, whose lock the caller holds.
-    fn lower(&self, state: &ShardState, key: &[u8]) -> Result<Option<Bytes>, StoreError> {
-        if let Some(frozen) = &state.frozen
-            && let Some(value) = frozen.get(key)
-        {
-            return Ok(value.clone());
+    /// The current value of `key` (hash `hash`), in the shard whose lock the caller holds.
+    fn current(&self, state: &ShardState, hash: u64, key: &[u8]) -> Result<Option<Bytes>, StoreError> {
+        if let Some(versions) = state.dirty(hash, key) {
+            return Ok(versions.current().clone());
         }
-        if let Some(value) = state.clean.lookup(key) {
+        if let Some(value) = state.below_dirty(hash, key) {
             return Ok(value);
         }
         #[cfg(test)]
@@ -1218,32 +1335,43 @@ impl PersistentStore {
     }
 }
 
+/// Whether `key` is within `[lower, upper]`.
+fn in_bounds(key: &[u8], lower: Bound<&[u8]>, upper: Bound<&[u8]>) -> bool {
+    RangeBounds::<[u8]>::contains(&(lower, upper), key)
+}
+
 impl KeyValueStore for PersistentStore {
     fn get(&self, key: &[u8]) -> Result<Option<Bytes>, StoreError> {
-        let state = read(self.shard(key));
-        match state.dirty.get(key) {
-            Some(versions) => Ok(versions.current().clone()),
-            None => self.lower(&state, key),
-        }
+        let (hash, shard) = self.locate(key);
+        self.current(&read(shard), hash, key)
     }
 
     fn put(&self, key: Bytes, value: Bytes) -> Result<(), StoreError> {
-        write(self.shard(&key)).write(key, WriteTag::Untracked, Some(value), 0);
+        let (hash, shard) = self.locate(&key);
+        write(shard).write(hash, &key, || key.clone(), WriteTag::Untracked, Some(value), 0);
         Ok(())
     }
 
     fn delete(&self, key: &[u8]) -> Result<Option<Bytes>, StoreError> {
-        let mut state = write(self.shard(key));
-        let old = match state.dirty.get(key) {
-            Some(versions) => versions.current().clone(),
-            None => self.lower(&state, key)?,
-        };
+        let (hash, shard) = self.locate(key);
+        let mut state = write(shard);
+        let old = self.current(&state, hash, key)?;
         if old.is_some() {
-            state.write(Bytes::copy_from_slice(key), WriteTag::Untracked, None, 0);
+            state.write(
+                hash,
+                key,
+                || Bytes::copy_from_slice(key),
+                WriteTag::Untracked,
+                None,
+                0,
+            );
         }
         Ok(old)
     }
 
+    /// Scans every uncommitted key of every shard (they are in hash order) to merge those in
+    /// range over redb's: a range costs the size of the dirty and frozen layers, which point
+    /// reads and writes, the runtime's work per record, do not.
     fn range(
         &self,
         from: Option<&[u8]>,
@@ -1265,12 +1393,13 @@ impl KeyValueStore for PersistentStore {
         let mut overlay = Layer::new();
         for state in &states {
             if let Some(frozen) = &state.frozen {
-                for (k, v) in frozen.range::<[u8], _>((lower, upper)) {
-                    overlay.insert(k.clone(), v.clone());
+                for entry in frozen.iter().filter(|e| in_bounds(&e.key, lower, upper)) {
+                    overlay.insert(entry.key.clone(), entry.value.clone());
                 }
             }
-            for (k, versions) in state.dirty.range::<[u8], _>((lower, upper)) {
-                overlay.insert(k.clone(), versions.current().clone());
+            // After the frozen layer: a key in both takes its dirty value.
+            for entry in state.dirty.iter().filter(|e| in_bounds(&e.key, lower, upper)) {
+                overlay.insert(entry.key.clone(), entry.versions.current().clone());
             }
         }
         drop(states);
@@ -1282,14 +1411,19 @@ impl KeyValueStore for PersistentStore {
         key: &[u8],
         f: &mut dyn FnMut(Option<&Bytes>) -> Option<Bytes>,
     ) -> Result<(), StoreError> {
-        let mut state = write(self.shard(key));
-        let old = match state.dirty.get(key) {
-            Some(versions) => versions.current().clone(),
-            None => self.lower(&state, key)?,
-        };
+        let (hash, shard) = self.locate(key);
+        let mut state = write(shard);
+        let old = self.current(&state, hash, key)?;
         let value = f(old.as_ref());
         if value.is_some() || old.is_some() {
-            state.write(Bytes::copy_from_slice(key), WriteTag::Untracked, value, 0);
+            state.write(
+                hash,
+                key,
+                || Bytes::copy_from_slice(key),
+                WriteTag::Untracked,
+                value,
+                0,
+            );
         }
         Ok(())
     }
@@ -1306,9 +1440,12 @@ impl KeyValueStore for PersistentStore {
                 let frozen_only = frozen
                     .into_iter()
                     .flatten()
-                    .filter(|(k, _)| !state.dirty.contains_key(*k))
-                    .map(|(k, v)| (k, v.is_some()));
-                let dirty = state.dirty.iter().map(|(k, v)| (k, v.current().is_some()));
+                    .filter(|e| state.dirty(e.hash, &e.key).is_none())
+                    .map(|e| (&e.key, e.value.is_some()));
+                let dirty = state
+                    .dirty
+                    .iter()
+                    .map(|e| (&e.key, e.versions.current().is_some()));
                 for (key, present) in dirty.chain(frozen_only) {
                     count += i64::from(present) - i64::from(committed.contains(key)?);
                 }
@@ -1761,7 +1898,8 @@ mod tests {
                 settled,
             );
         }
-        let versions = match read(store.shard(b"hot")).dirty.get(&b("hot")[..]) {
+        let (hash, shard) = store.locate(b"hot");
+        let versions = match read(shard).dirty(hash, b"hot") {
             Some(Versions::Chain(chain)) => chain.len(),
             Some(Versions::One(..)) => 1,
             None => 0,
@@ -1806,6 +1944,75 @@ mod tests {
         assert_eq!(as_count(store.snapshot().unwrap().get(b"hot").unwrap()), 1_000);
         commit(&store, 3);
         assert_eq!(as_count(store.snapshot().unwrap().get(b"hot").unwrap()), 41_000);
+    }
+
+    /// Many keys, each commit written on another thread while this one reads and updates
+    /// keys in every layer (dirty, frozen, the clean cache, redb: the cache is small enough to
+    /// evict): every read is the model's value, every commit holds exactly what it froze, and
+    /// a store dropped with a frozen commit unwritten (a crash mid-commit) reopens with the
+    /// last written one.
+    #[test]
+    fn reads_and_updates_while_commits_are_written_elsewhere_match_a_model() {
+        const KEYS: u64 = 3_000;
+        let dir = TempDir::new("writer-model");
+        let key = |k: u64| Bytes::from(format!("key-{k:05}"));
+        let mut model: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
+        let mut x = 7u64;
+        let mut next_key = move || {
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (x >> 33) % KEYS
+        };
+        let store = Arc::new(PersistentStore::open_with_cache(&dir.file(), tiny_budget(20)).unwrap());
+        let mut durable = model.clone();
+        for round in 1..=12u64 {
+            for _ in 0..2_000 {
+                let k = next_key();
+                store.update(&key(k), &mut count).unwrap();
+                *model.entry(k).or_default() += 1;
+            }
+            assert!(store.begin_commit(&checkpoint(round)).unwrap());
+            let frozen = model.clone();
+            let writer = {
+                let store = store.clone();
+                std::thread::spawn(move || store.finish_commit().unwrap())
+            };
+            let mut steps = 0;
+            while steps < 2_000 || !writer.is_finished() {
+                let k = next_key();
+                if steps % 2 == 0 {
+                    let seen = store.get(&key(k)).unwrap().map(|v| as_count(Some(v)));
+                    assert_eq!(seen, model.get(&k).copied(), "key {k} in round {round}");
+                } else {
+                    store.update(&key(k), &mut count).unwrap();
+                    *model.entry(k).or_default() += 1;
+                }
+                steps += 1;
+            }
+            assert_eq!(writer.join().unwrap(), Some(checkpoint(round)));
+            let snapshot = store.snapshot().unwrap();
+            for k in 0..KEYS {
+                let committed = snapshot.get(&key(k)).unwrap().map(|v| as_count(Some(v)));
+                assert_eq!(
+                    committed,
+                    frozen.get(&k).copied(),
+                    "key {k} committed in round {round}"
+                );
+            }
+            durable = frozen;
+        }
+        assert_eq!(store.len().unwrap(), model.len());
+        // A crash after the freeze, before the write: the reopened store is the last commit.
+        store.update(&key(0), &mut count).unwrap();
+        assert!(store.begin_commit(&checkpoint(100)).unwrap());
+        drop(store);
+        let reopened = PersistentStore::open_with_cache(&dir.file(), tiny_budget(20)).unwrap();
+        assert_eq!(reopened.checkpoint(), Some(checkpoint(12)));
+        for k in 0..KEYS {
+            let value = reopened.get(&key(k)).unwrap().map(|v| as_count(Some(v)));
+            assert_eq!(value, durable.get(&k).copied(), "key {k} after the reopen");
+        }
     }
 
     #[test]
@@ -2277,6 +2484,9 @@ mod tests {
         Delete(u8),
         Update(u8),
         Get(u8),
+        /// `range` from the first key to the second (`None`: open), at most `limit` entries.
+        Range(Option<u8>, Option<u8>, usize),
+        Len,
         BeginCommit,
         FinishCommit,
         Reopen,
@@ -2289,6 +2499,13 @@ mod tests {
             2 => (0u8..24).prop_map(Op::Delete),
             4 => (0u8..24).prop_map(Op::Update),
             6 => (0u8..24).prop_map(Op::Get),
+            2 => (
+                proptest::option::of(0u8..26),
+                proptest::option::of(0u8..26),
+                0usize..4
+            )
+                .prop_map(|(from, to, limit)| Op::Range(from, to, limit)),
+            1 => Just(Op::Len),
             2 => Just(Op::BeginCommit),
             2 => Just(Op::FinishCommit),
             1 => Just(Op::Reopen),
@@ -2333,6 +2550,22 @@ mod tests {
                 }
                 Op::Get(k) => {
                     proptest::prop_assert_eq!(s.get(&key(*k)).unwrap(), current.get(k).cloned(), "key {}", k);
+                }
+                Op::Range(from, to, limit) => {
+                    let (low, high) = (from.unwrap_or(0), to.unwrap_or(u8::MAX));
+                    let expected: Vec<(Bytes, Bytes)> = current
+                        .iter()
+                        .filter(|(k, _)| low <= **k && **k <= high)
+                        .take(if *limit == 0 { usize::MAX } else { *limit })
+                        .map(|(k, v)| (key(*k), v.clone()))
+                        .collect();
+                    let listed = s
+                        .range(from.map(key).as_deref(), to.map(key).as_deref(), *limit)
+                        .unwrap();
+                    proptest::prop_assert_eq!(listed, expected, "range {:?}..={:?}", from, to);
+                }
+                Op::Len => {
+                    proptest::prop_assert_eq!(s.len().unwrap(), current.len());
                 }
                 Op::BeginCommit => {
                     watermark += 1;
@@ -2382,6 +2615,18 @@ mod tests {
 
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// The order a commit sorts its writes in (prefix, then the whole key) is byte order,
+        /// for keys with zero bytes, keys that continue one another, and keys past 16 bytes.
+        #[test]
+        fn the_commit_order_is_byte_order(
+            a in proptest::collection::vec(0u8..3, 0..20),
+            b in proptest::collection::vec(0u8..3, 0..20),
+        ) {
+            let by_prefix = sort_prefix(&a).cmp(&sort_prefix(&b));
+            proptest::prop_assert!(by_prefix == std::cmp::Ordering::Equal || by_prefix == a.cmp(&b));
+            proptest::prop_assert_eq!(by_prefix.then_with(|| a.cmp(&b)), a.cmp(&b));
+        }
 
         /// The store with a clean cache so small that it evicts all the time (a shard's young
         /// generation holds one or two entries, and some values fit in none) against a model.
