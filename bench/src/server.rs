@@ -1,7 +1,8 @@
 //! Servers in their own processes, so their peak RSS and restarts are their
 //! own: the harness re-runs itself as `taskstream-bench __serve …`, either the
 //! real `service::serve` over a `StreamsApp` or a bare tonic `StreamsService`
-//! (tonic's defaults) answering a canned `ProcessMetadataForStore`. The child
+//! answering a canned `ProcessMetadataForStore` (with our server's HTTP/2
+//! settings, so the two differ in what they do per call alone). The child
 //! prints `ready ADDR` once it serves and stops gracefully when its stdin closes.
 
 use crate::workload::{Keys, peak_rss, prefill};
@@ -189,12 +190,24 @@ pub fn serve_main(args: &[String]) -> anyhow::Result<()> {
         let bytes = std::fs::read(path).with_context(|| format!("read {}", path.display()))?;
         let canned = pb::ProcessMetadataForStoreResponse::decode(bytes.as_slice())?;
         announce(addr, started)?;
+        // The HTTP/2 settings `service::serve` gives our server from the same config.
+        // Keepalive matters most: with it hyper locks a per-connection mutex for every
+        // frame (to know when the peer was last heard), which tonic's defaults skip.
+        let config = options.config(addr.to_string());
+        let millis = |ms: u64| (ms > 0).then(|| Duration::from_millis(ms));
         return runtime.block_on(async move {
             let listener = tokio::net::TcpListener::from_std(listener)?;
-            // What `Server::serve(addr)` does by default: TCP_NODELAY on accepted sockets.
+            // As `service::serve` does (and `Server::serve(addr)` by default): TCP_NODELAY.
             let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
             tonic::transport::Server::builder()
-                .add_service(StreamsServiceServer::new(Bare { canned }))
+                .max_concurrent_streams(config.max_concurrent_streams)
+                .http2_keepalive_interval(millis(config.http2_keepalive_interval_ms))
+                .http2_keepalive_timeout(millis(config.http2_keepalive_timeout_ms))
+                .add_service(
+                    StreamsServiceServer::new(Bare { canned })
+                        .max_decoding_message_size(config.max_message_bytes)
+                        .max_encoding_message_size(config.max_message_bytes),
+                )
                 .serve_with_incoming_shutdown(incoming, shutdown)
                 .await
                 .context("bare server")
@@ -255,7 +268,8 @@ fn announce(addr: std::net::SocketAddr, started: Instant) -> anyhow::Result<()> 
     Ok(())
 }
 
-/// A bare tonic server: the same generated service, a canned answer, no runtime behind it.
+/// A bare tonic server: the same generated service and HTTP/2 settings, a canned answer,
+/// no runtime behind it.
 struct Bare {
     canned: pb::ProcessMetadataForStoreResponse,
 }

@@ -1,6 +1,7 @@
 //! rpc: the gRPC surface over real TCP on 127.0.0.1, servers in their own
 //! processes. ProcessMetadataForStore at 1, 16 and 64 concurrent callers against
-//! a bare tonic server answering a canned response of the same size (ratio
+//! a bare tonic server with the same HTTP/2 settings answering a canned response
+//! of the same size (ratio
 //! ≥ 0.8, and at 16 callers p99 ≤ 1.3 × the bare one; repeated, the servers
 //! alternating which goes first); GetMetadataAsync into Rust RecordCallbacks
 //! (≥ 1,000,000 records/s) and
@@ -300,7 +301,8 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
              N = {}, T = 1, with {} records processed before the measurements. The bare server \
              implements the same generated `StreamsService` with a canned ProcessMetadataForStore \
              response (the one our server answered, re-encoded: same size) and UNIMPLEMENTED for the \
-             rest. Each load level runs {:.1} s after a {:.2} s warm-up; the two servers alternate per level.",
+             rest, with our server's HTTP/2 settings (keepalive pings, stream and message limits, \
+             TCP_NODELAY) and tokio runtime (the default: a worker per core). Each load level runs {:.1} s after a {:.2} s warm-up; the two servers alternate per level.",
             options.partitions,
             options.threads,
             group(records),
