@@ -236,8 +236,14 @@ impl Log for MemoryLog {
     }
 
     fn end_offset(&self, topic_name: &str, partition: u32) -> Result<u64, LogError> {
-        let topic = self.topic(topic_name)?;
-        let log = Self::partition(topic_name, &topic, partition)?
+        // Under the map's read lock rather than with a clone of the topic's `Arc`:
+        // metadata asks this for every task on every call, from every worker at
+        // once, and each count on that shared `Arc` would be a cache miss.
+        let topics = self.topics.read().unwrap_or_else(|e| e.into_inner());
+        let topic = topics
+            .get(topic_name)
+            .ok_or_else(|| LogError::UnknownTopic(topic_name.to_string()))?;
+        let log = Self::partition(topic_name, topic, partition)?
             .read()
             .unwrap_or_else(|e| e.into_inner());
         Ok(log.end_offset())

@@ -9,7 +9,7 @@ use super::builder::AppBuilder;
 use super::pages::check_range_order;
 use super::shared::Shared;
 use super::subscription::{EndAt, OutcomeSubscription, PartitionRange, StartAt, SubscribeRequest};
-use super::task::TaskInit;
+use super::task::{TaskInit, task_id};
 use super::{RuntimeError, commit, describe, driver, recovery};
 use crate::config::{Config, ProcessingOrder};
 use crate::log::{Log, ProducerRecord, RecordPosition, partition_for_key};
@@ -143,7 +143,9 @@ impl StreamsApp {
         check_in_order(shared, p, in_order)?;
         let pipeline = &shared.pipelines[p];
         // Copied under the scheduler's lock, built after it (see `describe`).
-        let tasks = describe::snapshot_tasks(&shared.lock(), Some(&[p]));
+        let mut tasks = describe::room_for_tasks(shared, Some(&[p]));
+        describe::snapshot_tasks(&shared.lock(), Some(&[p]), &mut tasks);
+        describe::in_task_order(&mut tasks);
         let local = describe::streams_metadata(shared, &tasks);
         let instances = match shared.cluster() {
             None => vec![local],
@@ -228,7 +230,7 @@ impl StreamsApp {
             store: store.to_string(),
             topic: pipeline.topic.to_string(),
             partition,
-            task_id: format!("{}_{}", pipeline.name, partition),
+            task_id: task_id(&pipeline.name, partition),
             active_host,
             standby_hosts: Vec::new(),
         })

@@ -4,21 +4,24 @@
 //! description DescribeRuntime answers.
 //!
 //! Read in two steps: under the scheduler lock only what the scheduler holds is
-//! copied, a [`TaskSnapshot`] per task (numbers and shared names); the log's
-//! offsets are read and the answer's strings built after the lock is released.
-//! These reads come from gRPC handlers on the server's tokio workers, where
-//! every wait for the lock blocks a worker and a worker descheduled while it
-//! holds the lock stalls the others: the lock is held for a copy, no longer.
+//! copied, a [`TaskSnapshot`] per task, plain numbers into a vector allocated
+//! before the lock; the log's offsets are read and the answer's strings (task
+//! ids and thread names, which follow from pipeline, partition and thread slot)
+//! built after the lock is released. These reads come from gRPC handlers on the
+//! server's tokio workers, where every wait for the lock blocks a worker and a
+//! worker descheduled while it holds the lock stalls the others: the lock is held
+//! for a copy of numbers, no longer — no allocation (whose arena lock may itself
+//! wait) and no reference count shared with the other workers (each clone a
+//! cache miss while they poll too).
 
-use super::scheduler::Scheduler;
+use super::scheduler::{Scheduler, thread_name};
 use super::shared::{PipelineRuntime, Shared};
-use super::task::{Task, TaskCounters};
+use super::task::{Task, TaskCounters, task_id};
 use crate::config::ProcessingOrder;
 use crate::metadata::{
     PipelineMetadata, RuntimeDescription, StreamsMetadata, TaskMetadata, TaskState, ThreadMetadata,
     ThreadState, TopicPartition,
 };
-use std::sync::Arc;
 use std::time::SystemTime;
 
 /// Records of a task's retry-topic partition without a final outcome.
@@ -52,12 +55,13 @@ pub(crate) fn retry_backlog_of(
 /// What metadata needs of a task that only the scheduler knows, copied under
 /// its lock; [`TaskSnapshot::metadata`] adds the rest without it.
 pub(crate) struct TaskSnapshot {
-    id: Arc<str>,
     pipeline: usize,
     partition: u32,
     restoring: bool,
-    owner_thread: Option<Arc<str>>,
-    helper_threads: Vec<Arc<str>>,
+    /// Thread slots (see `thread_name`).
+    owner_thread: Option<usize>,
+    /// Empty, so not allocated, unless T > 1 and helpers are inside.
+    helper_threads: Vec<usize>,
     order: ProcessingOrder,
     threads_per_task: usize,
     watermark: u64,
@@ -76,11 +80,10 @@ impl TaskSnapshot {
     fn of(scheduler: &Scheduler, index: usize, task: &Task) -> TaskSnapshot {
         let retry = task.retry();
         TaskSnapshot {
-            id: task.id().clone(),
             pipeline: task.pipeline(),
             partition: task.partition(),
             restoring: task.is_restoring(),
-            owner_thread: scheduler.threads().get(task.owner()).map(|t| t.name().clone()),
+            owner_thread: (task.owner() < scheduler.threads().len()).then_some(task.owner()),
             helper_threads: scheduler.helpers_of(index),
             order: task.order(),
             threads_per_task: task.threads_per_task(),
@@ -114,18 +117,26 @@ impl TaskSnapshot {
             .log
             .end_offset(&pipeline.topic, self.partition)
             .unwrap_or(0);
+        let application_id = shared.config.application_id.as_str();
         TaskMetadata {
-            task_id: self.id.to_string(),
-            pipeline: pipeline.name.to_string(),
-            topic: pipeline.topic.to_string(),
+            task_id: task_id(&pipeline.name, self.partition),
+            pipeline: String::from(&*pipeline.name),
+            topic: String::from(&*pipeline.topic),
             partition: self.partition,
             state: if self.restoring {
                 TaskState::Restoring
             } else {
                 TaskState::Running
             },
-            owner_thread: self.owner_thread.as_deref().unwrap_or_default().to_string(),
-            helper_threads: self.helper_threads.iter().map(|name| name.to_string()).collect(),
+            owner_thread: self
+                .owner_thread
+                .map(|slot| thread_name(application_id, slot))
+                .unwrap_or_default(),
+            helper_threads: self
+                .helper_threads
+                .iter()
+                .map(|&slot| thread_name(application_id, slot))
+                .collect(),
             processing_order: self.order,
             threads_per_task: self.threads_per_task as u32,
             watermark: self.watermark,
@@ -144,16 +155,38 @@ impl TaskSnapshot {
     }
 }
 
-/// Snapshots of the tasks of `pipelines` (all with `None`), by pipeline (in
-/// configuration order), then partition. Call with the scheduler's lock held.
-pub(crate) fn snapshot_tasks(scheduler: &Scheduler, pipelines: Option<&[usize]>) -> Vec<TaskSnapshot> {
-    let mut tasks: Vec<TaskSnapshot> = scheduler
-        .tasks()
-        .filter(|(_, t)| pipelines.is_none_or(|p| p.contains(&t.pipeline())))
-        .map(|(index, task)| TaskSnapshot::of(scheduler, index, task))
-        .collect();
-    tasks.sort_by_key(|t| (t.pipeline, t.partition));
-    tasks
+/// Room for the snapshots of the tasks of `pipelines` (all with `None`): a task
+/// per partition at most. Allocated before the lock is taken.
+pub(crate) fn room_for_tasks(shared: &Shared, pipelines: Option<&[usize]>) -> Vec<TaskSnapshot> {
+    let partitions = shared
+        .pipelines
+        .iter()
+        .enumerate()
+        .filter(|(index, _)| pipelines.is_none_or(|p| p.contains(index)))
+        .map(|(_, p)| p.partitions as usize)
+        .sum();
+    Vec::with_capacity(partitions)
+}
+
+/// Adds to `tasks` (from [`room_for_tasks`]) the snapshots of the tasks of
+/// `pipelines` (all with `None`), in the scheduler's order; [`in_task_order`]
+/// sorts them once the lock is released. Call with the scheduler's lock held.
+pub(crate) fn snapshot_tasks(
+    scheduler: &Scheduler,
+    pipelines: Option<&[usize]>,
+    tasks: &mut Vec<TaskSnapshot>,
+) {
+    tasks.extend(
+        scheduler
+            .tasks()
+            .filter(|(_, t)| pipelines.is_none_or(|p| p.contains(&t.pipeline())))
+            .map(|(index, task)| TaskSnapshot::of(scheduler, index, task)),
+    );
+}
+
+/// Sorts snapshots by pipeline (in configuration order), then partition.
+pub(crate) fn in_task_order(tasks: &mut [TaskSnapshot]) {
+    tasks.sort_unstable_by_key(|t| (t.pipeline, t.partition));
 }
 
 /// This instance as Kafka Streams' StreamsMetadata, from the snapshots of the
@@ -163,7 +196,7 @@ pub(crate) fn streams_metadata(shared: &Shared, tasks: &[TaskSnapshot]) -> Strea
     let mut topic_partitions: Vec<TopicPartition> = tasks
         .iter()
         .map(|task| TopicPartition {
-            topic: shared.pipelines[task.pipeline].topic.to_string(),
+            topic: String::from(&*shared.pipelines[task.pipeline].topic),
             partition: task.partition,
         })
         .collect();
@@ -172,7 +205,7 @@ pub(crate) fn streams_metadata(shared: &Shared, tasks: &[TaskSnapshot]) -> Strea
     topic_partitions.dedup();
     StreamsMetadata {
         host_info: shared.host_info.clone(),
-        state_store_names: shared.pipelines.iter().map(|p| p.name.to_string()).collect(),
+        state_store_names: shared.pipelines.iter().map(|p| String::from(&*p.name)).collect(),
         topic_partitions,
         standby_topic_partitions: Vec::new(),
         tasks: tasks.iter().map(|task| task.metadata(shared)).collect(),
@@ -212,7 +245,8 @@ fn pipeline_metadata(
 
 /// Threads, pipelines and tasks as they are at this instant (takes the scheduler's lock).
 pub(crate) fn describe(shared: &Shared) -> RuntimeDescription {
-    let (threads, tasks, state, live_threads) = {
+    let mut tasks = room_for_tasks(shared, None);
+    let (threads, state, live_threads) = {
         let scheduler = shared.lock();
         let threads: Vec<ThreadMetadata> = scheduler
             .threads()
@@ -234,13 +268,14 @@ pub(crate) fn describe(shared: &Shared) -> RuntimeDescription {
                 records_processed: t.records_processed(),
             })
             .collect();
+        snapshot_tasks(&scheduler, None, &mut tasks);
         (
             threads,
-            snapshot_tasks(&scheduler, None),
             shared.reported_state(&scheduler),
             scheduler.live_threads() as u32,
         )
     };
+    in_task_order(&mut tasks);
     RuntimeDescription {
         application_id: shared.config.application_id.clone(),
         host_info: shared.host_info.clone(),

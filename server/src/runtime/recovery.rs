@@ -14,7 +14,7 @@ use super::retry::RetryBacklog;
 use super::retry_queue::RetryQueue;
 use super::shared::Shared;
 use super::stores::TaskStore;
-use super::task::{Restore, TaskInit};
+use super::task::{Restore, TaskInit, task_id};
 use super::work::{Gating, HoldLimits};
 use crate::config::{ProcessingOrder, RetryPolicy, StoreKind};
 use crate::store::Checkpoint;
@@ -61,7 +61,7 @@ pub(crate) fn plan(
     let log = shared.log.as_ref();
     let p = &shared.pipelines[pipeline];
     let group = config.application_id.as_str();
-    let id: Arc<str> = format!("{}_{}", p.name, partition).into();
+    let id: Arc<str> = task_id(&p.name, partition).into();
     wait_until_closed(shared, &id)?;
     let store = match (p.store_kind, &config.data_dir) {
         (StoreKind::Persistent, Some(dir)) => {

@@ -38,6 +38,14 @@ const RETRY_SHARE: u32 = 4;
 /// wake-up normally comes first: appends, completions and commits notify).
 const MAX_WAIT: Duration = Duration::from_millis(100);
 
+/// The name of the stream thread in `slot`, as Kafka Streams names them
+/// (`<application_id>-StreamThread-<n>`, from 1). Slots are never reused or
+/// removed, so the name follows from the slot: metadata reads copy slot numbers
+/// under the lock and make the names after it.
+pub(crate) fn thread_name(application_id: &str, slot: usize) -> String {
+    format!("{application_id}-StreamThread-{}", slot + 1)
+}
+
 pub(crate) struct Scheduler {
     application_id: Arc<str>,
     pipelines: Vec<PipelineNames>,
@@ -55,7 +63,6 @@ pub(crate) struct Scheduler {
     /// Threads waiting for work (so wake-ups are skipped when nobody waits).
     waiting: usize,
     stopping: bool,
-    threads_started: usize,
 }
 
 impl Scheduler {
@@ -85,7 +92,6 @@ impl Scheduler {
             committing: false,
             waiting: 0,
             stopping: false,
-            threads_started: 0,
         }
     }
 
@@ -102,10 +108,10 @@ impl Scheduler {
     }
 
     fn new_slot(&mut self) -> usize {
-        self.threads_started += 1;
-        let name = format!("{}-StreamThread-{}", self.application_id, self.threads_started);
-        self.threads.push(ThreadSlot::new(name.into()));
-        self.threads.len() - 1
+        let slot = self.threads.len();
+        self.threads
+            .push(ThreadSlot::new(thread_name(&self.application_id, slot).into()));
+        slot
     }
 
     /// The OS thread of `slot` could not be started.
@@ -806,14 +812,15 @@ impl Scheduler {
         }
     }
 
-    /// Threads other than the owner inside task `t` right now.
-    pub(crate) fn helpers_of(&self, t: usize) -> Vec<Arc<str>> {
+    /// The slots of the threads other than the owner inside task `t` right
+    /// now (see [`thread_name`]).
+    pub(crate) fn helpers_of(&self, t: usize) -> Vec<usize> {
         let owner = self.task(t).map(Task::owner);
         self.threads
             .iter()
             .enumerate()
             .filter(|(i, th)| th.current_task() == Some(t) && Some(*i) != owner)
-            .map(|(_, th)| th.name.clone())
+            .map(|(i, _)| i)
             .collect()
     }
 }

@@ -36,6 +36,13 @@ use std::time::{Duration, Instant};
 /// stops fetching only after this much, at one byte of sequencer per offset.
 const SPAN_FACTOR: usize = 8;
 
+/// The id of the task of `pipeline` on `partition`, as Kafka Streams writes
+/// task ids: `<pipeline>_<partition>`. The one place this form is made, so
+/// metadata can make it again from the numbers without the task at hand.
+pub(crate) fn task_id(pipeline: &str, partition: u32) -> String {
+    format!("{pipeline}_{partition}")
+}
+
 /// The first wait after a failed commit; it doubles per failure up to the cap,
 /// so a failing disk is not hammered every `commit_interval_ms`.
 const COMMIT_BACKOFF_FIRST: Duration = Duration::from_millis(100);

@@ -32,9 +32,9 @@ pub fn host_info(host: &HostInfo) -> pb::HostInfo {
     }
 }
 
-fn topic_partition(tp: &TopicPartition) -> pb::TopicPartition {
+fn topic_partition(tp: TopicPartition) -> pb::TopicPartition {
     pb::TopicPartition {
-        topic: tp.topic.clone(),
+        topic: tp.topic,
         partition: tp.partition,
     }
 }
@@ -85,10 +85,15 @@ fn streams_metadata(instance: StreamsMetadata) -> pb::StreamsMetadata {
     pb::StreamsMetadata {
         host_info: Some(host_info(&instance.host_info)),
         state_store_names: instance.state_store_names,
-        topic_partitions: instance.topic_partitions.iter().map(topic_partition).collect(),
+        // Moved, not copied: this runs on every metadata call.
+        topic_partitions: instance
+            .topic_partitions
+            .into_iter()
+            .map(topic_partition)
+            .collect(),
         standby_topic_partitions: instance
             .standby_topic_partitions
-            .iter()
+            .into_iter()
             .map(topic_partition)
             .collect(),
         tasks: instance.tasks.into_iter().map(task_metadata).collect(),

@@ -14,7 +14,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -597,8 +597,11 @@ impl Activity {
 #[derive(Debug, Clone)]
 struct Calls(Option<Arc<ByPeer>>);
 
-/// Each open connection's activity, by its peer address.
-type ByPeer = Mutex<HashMap<SocketAddr, Arc<Activity>>>;
+/// Each open connection's activity, by its peer address. Every call reads it, only
+/// connecting and closing write it: a read lock, so calls on different workers never
+/// wait for each other here (a worker that waits for a lock held by one descheduled
+/// stalls every call it holds).
+type ByPeer = RwLock<HashMap<SocketAddr, Arc<Activity>>>;
 
 impl Calls {
     /// `enabled`: there is an idle timeout to feed.
@@ -609,7 +612,7 @@ impl Calls {
     fn register(&self, peer: SocketAddr) -> Option<Registered> {
         let map = self.0.as_ref()?;
         let activity = Arc::new(Activity::default());
-        map.lock()
+        map.write()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .insert(peer, activity.clone());
         Some(Registered(activity, peer, map.clone()))
@@ -619,7 +622,7 @@ impl Calls {
         let activity = self
             .0
             .as_ref()?
-            .lock()
+            .read()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .get(&peer)?
             .clone();
@@ -629,15 +632,11 @@ impl Calls {
 }
 
 /// A connection's entry in `Calls`, removed when the connection goes.
-struct Registered(
-    Arc<Activity>,
-    SocketAddr,
-    Arc<Mutex<HashMap<SocketAddr, Arc<Activity>>>>,
-);
+struct Registered(Arc<Activity>, SocketAddr, Arc<ByPeer>);
 
 impl Drop for Registered {
     fn drop(&mut self) {
-        let mut map = self.2.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut map = self.2.write().unwrap_or_else(|poisoned| poisoned.into_inner());
         // Only our own: a new connection from the same address may have replaced it.
         if map
             .get(&self.1)
