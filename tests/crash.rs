@@ -585,18 +585,7 @@ impl RetryTopic {
     /// record it names: same key and value, and a first failure only for a
     /// failing record (so `failing` is the processor's own choice).
     fn read(log: &RedbLog, expected: &Expected, failing: Failing) -> RetryTopic {
-        use taskstream_server::failure_headers::{ATTEMPTS, OFFSET, VOID};
-        let header = |record: &taskstream_server::Record, name: &str| -> u64 {
-            let value = record
-                .headers
-                .iter()
-                .find(|(n, _)| n == name)
-                .unwrap_or_else(|| panic!("retry record without {name}: {record:?}"));
-            std::str::from_utf8(&value.1)
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or_else(|| panic!("retry record with a bad {name}: {record:?}"))
-        };
+        use taskstream_server::{RetryEntry, failure_headers::VOID};
         let mut retained = Vec::new();
         let mut appended: BTreeMap<(u32, u64), Vec<u32>> = BTreeMap::new();
         for p in 0..PARTITIONS {
@@ -618,7 +607,13 @@ impl RetryTopic {
                     if record.headers.iter().any(|(n, _)| n == VOID) {
                         continue;
                     }
-                    let (offset, attempts) = (header(record, OFFSET), header(record, ATTEMPTS) as u32);
+                    let entry = RetryEntry::of(record)
+                        .unwrap_or_else(|| panic!("retry record without its entry: {record:?}"));
+                    assert_eq!(
+                        entry.partition, p,
+                        "a retry partition holds its source partition's records"
+                    );
+                    let (offset, attempts) = (entry.offset, entry.attempts);
                     let source = sources
                         .get(offset as usize)
                         .unwrap_or_else(|| panic!("retry record of a source never written: {record:?}"));

@@ -48,7 +48,7 @@ pub use metadata::{
 };
 pub use processor::remote::{ProcessorStatus, RemoteRuntime};
 pub use processor::{Outputs, ProcessError, Processor, ProcessorContext};
-pub use runtime::retry::headers as failure_headers;
+pub use runtime::retry::{RetryEntry, headers as failure_headers};
 pub use runtime::{
     AppBuilder, CommitReport, EndAt, OutcomeSubscription, RuntimeError, StartAt, StreamsApp,
     SubscribeRequest, SubscriptionEvent,

@@ -389,10 +389,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
                 first_failure_ms: now,
                 last_failure_ms: now,
             };
-            to_retry.push((
-                outcomes.len(),
-                retry::failed_record(&pipeline.topic, record, &parked),
-            ));
+            to_retry.push((outcomes.len(), retry::retry_record(record, &parked)));
             outcomes.push(outcome(
                 shared,
                 context,
@@ -511,7 +508,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         }
         // Blocking retries used up, a single attempt allowed, or a failure not worth retrying.
         if pipeline.retry_policy == RetryPolicy::Blocking || max_attempts <= 1 || !retryable {
-            let dead = retry::failed_record(&pipeline.topic, record, &failure);
+            let dead = retry::dead_letter_record(&pipeline.topic, record, &failure);
             to_dead_letter.push((outcomes.len(), dead));
             outcomes.push(outcome(
                 shared,
@@ -532,10 +529,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
             }
             failed_keys.insert(key.clone());
         }
-        to_retry.push((
-            outcomes.len(),
-            retry::failed_record(&pipeline.topic, record, &failure),
-        ));
+        to_retry.push((outcomes.len(), retry::retry_record(record, &failure)));
         outcomes.push(outcome(
             shared,
             context,
@@ -659,7 +653,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
     let dead: Vec<ProducerRecord> = attempted
         .iter()
         .filter(|(_, next)| matches!(next, Next::DeadLetter))
-        .map(|(item, _)| retry::failed_record(&pipeline.topic, &item.record, &item.failure))
+        .map(|(item, _)| retry::dead_letter_record(&pipeline.topic, &item.record, &item.failure))
         .collect();
     // Refused by the dead-letter topic: the record stays on the retry path.
     let dead_lettered = append_with_backoff(shared, &pipeline.dead_letter_topic, dead).is_ok();

@@ -1,9 +1,10 @@
-//! The retry topic's format: records that failed (or wait behind a failed
-//! record of their key) are appended to the pipeline's retry topic with their
-//! failure in headers (Kafka Streams' dead-letter headers, KIP-1034), decoded
-//! back into `RetryItem`s, voided after a restart, and scanned at start for
-//! what is still pending. The backoff between attempts is defined here too;
-//! each task's queue of its retry partition is `retry_queue.rs`.
+//! The retry and dead-letter topics' formats: records that failed (or wait
+//! behind a failed record of their key) are appended to the pipeline's retry
+//! topic with their source position and failure in one compact header (a
+//! [`RetryEntry`]), decoded back into `RetryItem`s, voided after a restart, and
+//! scanned at start for what is still pending; dead letters carry Kafka
+//! Streams' dead-letter headers (KIP-1034). The backoff between attempts is
+//! defined here too; each task's queue of its retry partition is `retry_queue.rs`.
 
 use crate::log::{Log, LogError, ProducerRecord, Record};
 use crate::processor::splitmix64;
@@ -26,6 +27,9 @@ pub mod headers {
     pub const LAST_FAILURE_MS: &str = "taskstream.errors.last_failure_ms";
     /// The original record's timestamp (the retry record carries it too).
     pub const TIMESTAMP_MS: &str = "taskstream.errors.timestamp_ms";
+    /// On a record of the retry topic: its source record's position and
+    /// timestamp and its failure so far, in one value (see [`RetryEntry`]).
+    pub const RETRY_ENTRY: &str = "taskstream.retry.entry";
     /// On a marker record of the retry topic: the retry offsets (decimal,
     /// comma-separated) that are void — written by a pass a restart discarded.
     pub const VOID: &str = "taskstream.retry.void";
@@ -72,15 +76,145 @@ pub(crate) fn backoff(attempts: u32, base_ms: u64, max_ms: u64, seed: u64) -> Du
     Duration::from_millis((raw as f64 * jitter) as u64)
 }
 
-/// The record to append to the retry or dead-letter topic: the raw key and
-/// value unchanged, the original headers, then the error headers.
-pub(crate) fn failed_record(source_topic: &str, record: &Record, failure: &Failure) -> ProducerRecord {
-    let mut headers: Vec<(String, Bytes)> = record
-        .headers
-        .iter()
-        .filter(|(name, _)| !is_runtime_header(name))
-        .cloned()
-        .collect();
+/// What a record of the retry topic says about the record it retries: the
+/// value of its `taskstream.retry.entry` header. The retry topic is internal,
+/// so its records carry this one header where a dead letter carries nine
+/// (KIP-1034's and ours): each failing record is written to the log, read
+/// back and parsed, and the nine long names were most of its bytes and
+/// allocations (bench `retry`, parked-keys probe).
+///
+/// The value is text, so `taskstream read` shows it: `1` (the format's
+/// version), then the source partition, offset and timestamp (epoch ms), the
+/// attempts made so far, the first and last failure (epoch ms), the byte
+/// length of the exception, the exception, and the message, separated by
+/// single spaces, e.g. `1 0 42 1700000000000 1 1700000000100 1700000000100 7
+/// Timeout took longer than 30000 ms`. The length lets the exception and the
+/// message hold any text, spaces included.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryEntry {
+    pub partition: u32,
+    pub offset: u64,
+    pub timestamp_ms: i64,
+    /// Processing attempts made so far: 0 for a record parked behind its key.
+    pub attempts: u32,
+    pub first_failure_ms: i64,
+    pub last_failure_ms: i64,
+    /// The error's type, as a dead letter's `__streams.errors.exception`.
+    pub exception: String,
+    pub message: String,
+}
+
+/// The first field of a `RetryEntry`'s value.
+const ENTRY_VERSION: &str = "1";
+
+impl RetryEntry {
+    /// The header value (see the type's documentation).
+    pub fn encode(&self) -> Bytes {
+        use std::fmt::Write as _;
+        let mut text = String::with_capacity(80 + self.exception.len() + self.message.len());
+        // Writing to a String cannot fail.
+        let _ = write!(
+            text,
+            "{ENTRY_VERSION} {} {} {} {} {} {} {} {} {}",
+            self.partition,
+            self.offset,
+            self.timestamp_ms,
+            self.attempts,
+            self.first_failure_ms,
+            self.last_failure_ms,
+            self.exception.len(),
+            self.exception,
+            self.message
+        );
+        Bytes::from(text.into_bytes())
+    }
+
+    /// Parses a header value; `None` if it is not one this version wrote.
+    pub fn parse(value: &[u8]) -> Option<RetryEntry> {
+        let text = std::str::from_utf8(value).ok()?;
+        let mut rest = text;
+        let mut field = || -> Option<&str> {
+            let (head, tail) = rest.split_once(' ')?;
+            rest = tail;
+            Some(head)
+        };
+        if field()? != ENTRY_VERSION {
+            return None;
+        }
+        let partition = field()?.parse().ok()?;
+        let offset = field()?.parse().ok()?;
+        let timestamp_ms = field()?.parse().ok()?;
+        let attempts = field()?.parse().ok()?;
+        let first_failure_ms = field()?.parse().ok()?;
+        let last_failure_ms = field()?.parse().ok()?;
+        let exception_len: usize = field()?.parse().ok()?;
+        let exception = rest.get(..exception_len)?;
+        let message = rest.get(exception_len..)?.strip_prefix(' ')?;
+        Some(RetryEntry {
+            partition,
+            offset,
+            timestamp_ms,
+            attempts,
+            first_failure_ms,
+            last_failure_ms,
+            exception: exception.to_string(),
+            message: message.to_string(),
+        })
+    }
+
+    /// The entry of a retry-topic record, if it carries one (a record written
+    /// by hand, or a redriven dead letter, carries KIP-1034 headers instead).
+    pub fn of(record: &Record) -> Option<RetryEntry> {
+        let (_, value) = record
+            .headers
+            .iter()
+            .rev()
+            .find(|(n, _)| n == headers::RETRY_ENTRY)?;
+        RetryEntry::parse(value)
+    }
+}
+
+/// The original headers of `record`, without any the runtime added, with room for `more`.
+fn own_headers(record: &Record, more: usize) -> Vec<(String, Bytes)> {
+    let mut headers = Vec::with_capacity(record.headers.len() + more);
+    headers.extend(
+        record
+            .headers
+            .iter()
+            .filter(|(name, _)| !is_runtime_header(name))
+            .cloned(),
+    );
+    headers
+}
+
+/// The record to append to the retry topic: the raw key and value unchanged,
+/// the original headers, then its [`RetryEntry`].
+pub(crate) fn retry_record(record: &Record, failure: &Failure) -> ProducerRecord {
+    let mut headers = own_headers(record, 1);
+    let entry = RetryEntry {
+        partition: record.partition,
+        offset: record.offset,
+        timestamp_ms: record.timestamp_ms,
+        attempts: failure.attempts,
+        first_failure_ms: failure.first_failure_ms,
+        last_failure_ms: failure.last_failure_ms,
+        exception: failure.kind.clone(),
+        message: failure.message.clone(),
+    };
+    headers.push((headers::RETRY_ENTRY.to_string(), entry.encode()));
+    ProducerRecord {
+        key: record.key.clone(),
+        value: record.value.clone(),
+        partition: Some(record.partition),
+        timestamp_ms: Some(record.timestamp_ms),
+        headers,
+    }
+}
+
+/// The record to append to the dead-letter topic: the raw key and value
+/// unchanged, the original headers, then the error headers.
+pub(crate) fn dead_letter_record(source_topic: &str, record: &Record, failure: &Failure) -> ProducerRecord {
+    let mut headers = own_headers(record, 9);
     let text = |value: String| Bytes::from(value.into_bytes());
     headers.extend([
         (headers::EXCEPTION.to_string(), text(failure.kind.clone())),
@@ -124,23 +258,24 @@ fn header_text(record: &Record, name: &str) -> String {
     header::<String>(record, name).unwrap_or_default()
 }
 
-/// Decodes a retry-topic record at `now_ms`. A record missing runtime headers
-/// (written by hand) is retried as a first failure of its own offset. A last
-/// failure later than now (a hand-set timestamp or header) counts as now: its
-/// entry would otherwise never fall due and the retry backlog never drain.
+/// Decodes a retry-topic record at `now_ms`: its [`RetryEntry`], or else the
+/// dead-letter headers (a redriven dead letter, or a record written by hand or
+/// by an earlier version). A record with neither is retried as a first failure
+/// of its own offset. A last failure later than now (a hand-set timestamp or
+/// header) counts as now: its entry would otherwise never fall due and the
+/// retry backlog never drain.
 pub(crate) fn decode(retry: Record, now_ms: i64, backoff_of: impl Fn(u32, u64) -> Duration) -> RetryItem {
     let marker = retry.headers.iter().any(|(name, _)| name == headers::VOID);
-    let attempts = header(&retry, headers::ATTEMPTS).unwrap_or(1);
-    let last_failure_ms = header(&retry, headers::LAST_FAILURE_MS)
-        .unwrap_or(retry.timestamp_ms)
-        .min(now_ms);
+    let entry = RetryEntry::of(&retry).unwrap_or_else(|| entry_from_error_headers(&retry));
+    let last_failure_ms = entry.last_failure_ms.min(now_ms);
     let failure = Failure {
-        kind: header_text(&retry, headers::EXCEPTION),
-        message: header_text(&retry, headers::MESSAGE),
-        attempts,
-        first_failure_ms: header(&retry, headers::FIRST_FAILURE_MS).unwrap_or(last_failure_ms),
+        kind: entry.exception,
+        message: entry.message,
+        attempts: entry.attempts,
+        first_failure_ms: entry.first_failure_ms.min(last_failure_ms),
         last_failure_ms,
     };
+    let attempts = entry.attempts;
     let retry_offset = retry.offset;
     // A parked record (0 attempts) is due as soon as its key is free.
     let due_ms = if attempts == 0 {
@@ -149,9 +284,9 @@ pub(crate) fn decode(retry: Record, now_ms: i64, backoff_of: impl Fn(u32, u64) -
         last_failure_ms.saturating_add(backoff_of(attempts, retry_offset).as_millis() as i64)
     };
     let record = Record {
-        partition: header(&retry, headers::PARTITION).unwrap_or(retry.partition),
-        offset: header(&retry, headers::OFFSET).unwrap_or(retry.offset),
-        timestamp_ms: header(&retry, headers::TIMESTAMP_MS).unwrap_or(retry.timestamp_ms),
+        partition: entry.partition,
+        offset: entry.offset,
+        timestamp_ms: entry.timestamp_ms,
         headers: retry
             .headers
             .into_iter()
@@ -166,6 +301,23 @@ pub(crate) fn decode(retry: Record, now_ms: i64, backoff_of: impl Fn(u32, u64) -
         failure,
         due_ms,
         marker,
+    }
+}
+
+/// A retry record without a [`RetryEntry`], read from the dead-letter headers
+/// it has; each missing one defaults to the record's own position, timestamp
+/// and a first failure at that timestamp.
+fn entry_from_error_headers(retry: &Record) -> RetryEntry {
+    let last_failure_ms = header(retry, headers::LAST_FAILURE_MS).unwrap_or(retry.timestamp_ms);
+    RetryEntry {
+        partition: header(retry, headers::PARTITION).unwrap_or(retry.partition),
+        offset: header(retry, headers::OFFSET).unwrap_or(retry.offset),
+        timestamp_ms: header(retry, headers::TIMESTAMP_MS).unwrap_or(retry.timestamp_ms),
+        attempts: header(retry, headers::ATTEMPTS).unwrap_or(1),
+        first_failure_ms: header(retry, headers::FIRST_FAILURE_MS).unwrap_or(last_failure_ms),
+        last_failure_ms,
+        exception: header_text(retry, headers::EXCEPTION),
+        message: header_text(retry, headers::MESSAGE),
     }
 }
 
@@ -297,22 +449,35 @@ pub(crate) mod tests {
         }
     }
 
-    #[test]
-    fn a_failed_record_round_trips_through_the_retry_topic_format() {
-        let source = record("k", 42);
-        let produced = failed_record("events", &source, &failure(2));
-        assert_eq!(produced.key, source.key);
-        assert_eq!(produced.value, source.value);
-        assert_eq!(produced.partition, Some(3));
-        let stored = Record {
-            partition: 3,
-            offset: 7,
+    /// `produced` as the log would store it at `offset`.
+    fn stored(produced: ProducerRecord, offset: u64) -> Record {
+        Record {
+            partition: produced.partition.unwrap_or(0),
+            offset,
             timestamp_ms: produced.timestamp_ms.unwrap_or(0),
             key: produced.key,
             value: produced.value,
             headers: produced.headers,
-        };
-        let item = decode(stored, 10_000, |_, _| Duration::from_millis(250));
+        }
+    }
+
+    #[test]
+    fn a_failed_record_round_trips_through_the_retry_topic_format() {
+        let source = record("k", 42);
+        let produced = retry_record(&source, &failure(2));
+        assert_eq!(produced.key, source.key);
+        assert_eq!(produced.value, source.value);
+        assert_eq!(produced.partition, Some(3));
+        assert_eq!(
+            produced
+                .headers
+                .iter()
+                .map(|(n, _)| n.as_str())
+                .collect::<Vec<_>>(),
+            ["app", headers::RETRY_ENTRY],
+            "its own headers, then one entry"
+        );
+        let item = decode(stored(produced, 7), 10_000, |_, _| Duration::from_millis(250));
         assert_eq!(item.retry_offset, 7);
         assert_eq!(
             item.record, source,
@@ -320,6 +485,78 @@ pub(crate) mod tests {
         );
         assert_eq!(item.failure, failure(2));
         assert_eq!(item.due_ms, 6_250);
+    }
+
+    #[test]
+    fn a_dead_letter_carries_kip_1034_headers_and_decodes_as_a_retry_record() {
+        let source = record("k", 42);
+        let dead = dead_letter_record("events", &source, &failure(3));
+        let header = |name: &str| {
+            dead.headers
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+        };
+        assert_eq!(header(headers::EXCEPTION).as_deref(), Some("Boom"));
+        assert_eq!(header(headers::TOPIC).as_deref(), Some("events"));
+        assert_eq!(header(headers::OFFSET).as_deref(), Some("42"));
+        assert_eq!(header(headers::ATTEMPTS).as_deref(), Some("3"));
+        assert_eq!(header(headers::RETRY_ENTRY), None);
+        // A redriven dead letter reaches the retry topic with these headers.
+        let item = decode(stored(dead, 9), 10_000, |_, _| Duration::from_millis(250));
+        assert_eq!(item.record, source);
+        assert_eq!(item.failure, failure(3));
+    }
+
+    #[test]
+    fn an_entry_that_does_not_parse_falls_back_to_the_error_headers() {
+        let source = record("k", 42);
+        let mut produced = retry_record(&source, &failure(2));
+        for bad in [
+            "2 3 42 1000 2 5000 6000 4 Boom it broke",
+            "1 3 42 1000 2 5000 6000 40 Boom",
+            "1 3 x",
+        ] {
+            if let Some((_, value)) = produced
+                .headers
+                .iter_mut()
+                .find(|(n, _)| n == headers::RETRY_ENTRY)
+            {
+                *value = Bytes::from(bad);
+            }
+            assert_eq!(RetryEntry::parse(bad.as_bytes()), None, "{bad}");
+            let item = decode(stored(produced.clone(), 7), 10_000, |_, _| {
+                Duration::from_millis(250)
+            });
+            assert_eq!(item.record.offset, 7, "a record written by hand: its own offset");
+            assert_eq!(item.failure.attempts, 1);
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn entries_round_trip_with_any_text(
+            partition: u32,
+            offset: u64,
+            timestamp_ms: i64,
+            attempts: u32,
+            first_failure_ms: i64,
+            last_failure_ms: i64,
+            exception in ".*",
+            message in ".*",
+        ) {
+            let entry = RetryEntry {
+                partition,
+                offset,
+                timestamp_ms,
+                attempts,
+                first_failure_ms,
+                last_failure_ms,
+                exception,
+                message,
+            };
+            proptest::prop_assert_eq!(RetryEntry::parse(&entry.encode()), Some(entry));
+        }
     }
 
     #[test]
