@@ -2332,6 +2332,57 @@ mod tests {
     /// writer and `flush` fails until they are in the file, in order, each once, including
     /// those a reopen of the file lost after they were written without an fsync.
     #[test]
+    fn appends_behind_their_callers_are_heard_once_readable_and_each_partition_at_its_end() {
+        let dir = TempDir::new("behind-listeners");
+        let log = RedbLog::open(&dir.0).unwrap();
+        log.ensure_topic("t", 2).unwrap();
+        let heard = Arc::new(Mutex::new(Vec::new()));
+        let weak = Arc::downgrade(&log);
+        let sink = heard.clone();
+        log.add_append_listener(Arc::new(move |topic, partition| {
+            let end = weak
+                .upgrade()
+                .map(|log| log.end_offset(topic, partition).unwrap());
+            sink.lock().unwrap().push((partition, end));
+        }));
+        const APPENDS: u64 = 300;
+        for i in 0..APPENDS {
+            let record = ProducerRecord {
+                partition: Some((i % 2) as u32),
+                value: format!("v{i}").into(),
+                ..Default::default()
+            };
+            log.append_unflushed("t", &[record]).unwrap();
+        }
+        log.flush().unwrap();
+        let heard = heard.lock().unwrap().clone();
+        for p in 0..2 {
+            let ends: Vec<u64> = heard
+                .iter()
+                .filter(|(q, _)| *q == p)
+                .filter_map(|(_, e)| *e)
+                .collect();
+            // Each telling comes after what it tells of is readable, and the last one tells the end.
+            assert!(
+                !ends.is_empty() && ends.iter().all(|&e| e > 0),
+                "partition {p}: {ends:?}"
+            );
+            assert!(ends.windows(2).all(|w| w[0] <= w[1]), "partition {p}: {ends:?}");
+            assert_eq!(ends.last().copied(), Some(APPENDS / 2), "partition {p}: {ends:?}");
+            let values: Vec<String> = read_all(&log, "t", p)
+                .iter()
+                .map(|r| String::from_utf8_lossy(&r.value).into_owned())
+                .collect();
+            let expected: Vec<String> = (0..APPENDS)
+                .filter(|i| i % 2 == u64::from(p))
+                .map(|i| format!("v{i}"))
+                .collect();
+            assert_eq!(values, expected, "partition {p}: in the order appended");
+        }
+        assert!(heard.len() <= APPENDS as usize, "at most one telling per append");
+    }
+
+    #[test]
     fn unflushed_appends_land_in_order_and_a_flush_fails_until_they_have() {
         let dir = TempDir::new("behind");
         let (log, full) = log_on_fullable_disk(&dir.0);
