@@ -5,11 +5,10 @@
 
 use super::RuntimeError;
 use super::app::hosted_partitions;
-use super::retry::headers;
+use super::retry;
 use crate::config::RetryPolicy;
-use crate::log::{ProducerRecord, Record, RecordPosition};
+use crate::log::RecordPosition;
 use crate::runtime::StreamsApp;
-use bytes::Bytes;
 
 /// Dead letters read and appended at a time, so a redrive of a whole partition holds
 /// only this many in memory.
@@ -74,7 +73,7 @@ impl StreamsApp {
                     positions.extend(
                         shared
                             .log
-                            .append(&retry, chunk.into_iter().map(redriven).collect())?,
+                            .append(&retry, chunk.into_iter().map(retry::redriven_record).collect())?,
                     );
                 }
             }
@@ -91,7 +90,9 @@ impl StreamsApp {
                     let mut found = Vec::with_capacity(1);
                     shared.log.read(&dlq, partition, offset, 1, &mut found)?;
                     match found.pop() {
-                        Some(record) if record.offset == offset => records.push(redriven(record)),
+                        Some(record) if record.offset == offset => {
+                            records.push(retry::redriven_record(record))
+                        }
                         _ => {
                             return Err(RuntimeError::invalid_argument(
                                 format!("offsets[{i}]"),
@@ -106,24 +107,5 @@ impl StreamsApp {
             }
         }
         Ok(positions)
-    }
-}
-
-/// A dead letter as a retry record with no attempt made yet: due at once, then retried
-/// with backoff up to `retry_max_attempts` like any failed record. Its source position,
-/// error and original headers stay.
-fn redriven(record: Record) -> ProducerRecord {
-    let mut headers: Vec<(String, Bytes)> = record
-        .headers
-        .into_iter()
-        .filter(|(name, _)| name != headers::ATTEMPTS)
-        .collect();
-    headers.push((headers::ATTEMPTS.to_string(), Bytes::from_static(b"0")));
-    ProducerRecord {
-        key: record.key,
-        value: record.value,
-        partition: Some(record.partition),
-        timestamp_ms: Some(record.timestamp_ms),
-        headers,
     }
 }

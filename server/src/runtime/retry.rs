@@ -211,6 +211,27 @@ pub(crate) fn retry_record(record: &Record, failure: &Failure) -> ProducerRecord
     }
 }
 
+/// A dead letter as a retry record with no attempt made yet (a redrive): due
+/// at once, then retried with backoff like any failed record. Its source
+/// position, error and original headers come from its dead-letter headers.
+pub(crate) fn redriven_record(dead: Record) -> ProducerRecord {
+    let entry = entry_from_error_headers(&dead);
+    let failure = Failure {
+        kind: entry.exception,
+        message: entry.message,
+        attempts: 0,
+        first_failure_ms: entry.first_failure_ms,
+        last_failure_ms: entry.last_failure_ms,
+    };
+    let source = Record {
+        partition: entry.partition,
+        offset: entry.offset,
+        timestamp_ms: entry.timestamp_ms,
+        ..dead
+    };
+    retry_record(&source, &failure)
+}
+
 /// The record to append to the dead-letter topic: the raw key and value
 /// unchanged, the original headers, then the error headers.
 pub(crate) fn dead_letter_record(source_topic: &str, record: &Record, failure: &Failure) -> ProducerRecord {
@@ -506,6 +527,24 @@ pub(crate) mod tests {
         let item = decode(stored(dead, 9), 10_000, |_, _| Duration::from_millis(250));
         assert_eq!(item.record, source);
         assert_eq!(item.failure, failure(3));
+    }
+
+    #[test]
+    fn a_redriven_dead_letter_is_a_retry_record_of_its_source_with_no_attempt_made() {
+        let source = record("k", 42);
+        let dead = stored(dead_letter_record("events", &source, &failure(3)), 11);
+        let redriven = redriven_record(dead);
+        let entry = redriven
+            .headers
+            .iter()
+            .find(|(n, _)| n == headers::RETRY_ENTRY)
+            .and_then(|(_, v)| RetryEntry::parse(v))
+            .expect("a redriven record carries its entry");
+        assert_eq!((entry.partition, entry.offset, entry.attempts), (3, 42, 0));
+        let item = decode(stored(redriven, 7), 10_000, |_, _| Duration::from_millis(250));
+        assert_eq!(item.record, source, "the source record, its own headers kept");
+        assert_eq!(item.due_ms, 0, "due at once");
+        assert_eq!((item.failure.kind.as_str(), item.failure.attempts), ("Boom", 0));
     }
 
     #[test]
