@@ -2050,13 +2050,13 @@ mod tests {
         assert_eq!(total, THREADS * BATCHES * PER_BATCH);
     }
 
-    #[test]
-    fn listeners_hear_each_touched_partition_after_the_records_are_readable() {
-        let dir = TempDir::new("listeners");
-        let log = RedbLog::open(&dir.0).unwrap();
-        log.ensure_topic("t", 2).unwrap();
+    /// Each telling of a listener: topic, partition, and the partition's end read then.
+    type Heard = Arc<Mutex<Vec<(String, u32, Option<u64>)>>>;
+
+    /// What the log's listeners are told from now on.
+    fn hear_ends(log: &Arc<RedbLog>) -> Heard {
         let heard = Arc::new(Mutex::new(Vec::new()));
-        let weak = Arc::downgrade(&log);
+        let weak = Arc::downgrade(log);
         let sink = heard.clone();
         log.add_append_listener(Arc::new(move |topic, partition| {
             let end = weak
@@ -2064,6 +2064,15 @@ mod tests {
                 .map(|log| log.end_offset(topic, partition).unwrap());
             sink.lock().unwrap().push((topic.to_string(), partition, end));
         }));
+        heard
+    }
+
+    #[test]
+    fn listeners_hear_each_touched_partition_after_the_records_are_readable() {
+        let dir = TempDir::new("listeners");
+        let log = RedbLog::open(&dir.0).unwrap();
+        log.ensure_topic("t", 2).unwrap();
+        let heard = hear_ends(&log);
         let to = |partition| ProducerRecord {
             partition: Some(partition),
             ..Default::default()
@@ -2328,23 +2337,12 @@ mod tests {
         );
     }
 
-    /// `append_unflushed` returns before the write; on a full disk its records wait in the
-    /// writer and `flush` fails until they are in the file, in order, each once, including
-    /// those a reopen of the file lost after they were written without an fsync.
     #[test]
     fn appends_behind_their_callers_are_heard_once_readable_and_each_partition_at_its_end() {
         let dir = TempDir::new("behind-listeners");
         let log = RedbLog::open(&dir.0).unwrap();
         log.ensure_topic("t", 2).unwrap();
-        let heard = Arc::new(Mutex::new(Vec::new()));
-        let weak = Arc::downgrade(&log);
-        let sink = heard.clone();
-        log.add_append_listener(Arc::new(move |topic, partition| {
-            let end = weak
-                .upgrade()
-                .map(|log| log.end_offset(topic, partition).unwrap());
-            sink.lock().unwrap().push((partition, end));
-        }));
+        let heard = hear_ends(&log);
         const APPENDS: u64 = 300;
         for i in 0..APPENDS {
             let record = ProducerRecord {
@@ -2359,8 +2357,8 @@ mod tests {
         for p in 0..2 {
             let ends: Vec<u64> = heard
                 .iter()
-                .filter(|(q, _)| *q == p)
-                .filter_map(|(_, e)| *e)
+                .filter(|(_, q, _)| *q == p)
+                .filter_map(|(_, _, e)| *e)
                 .collect();
             // Each telling comes after what it tells of is readable, and the last one tells the end.
             assert!(
@@ -2382,6 +2380,9 @@ mod tests {
         assert!(heard.len() <= APPENDS as usize, "at most one telling per append");
     }
 
+    /// `append_unflushed` returns before the write; on a full disk its records wait in the
+    /// writer and `flush` fails until they are in the file, in order, each once, including
+    /// those a reopen of the file lost after they were written without an fsync.
     #[test]
     fn unflushed_appends_land_in_order_and_a_flush_fails_until_they_have() {
         let dir = TempDir::new("behind");
