@@ -163,7 +163,7 @@ impl RetryEntry {
     }
 
     /// The entry of a retry-topic record, if it carries one (a record written
-    /// by hand, or a redriven dead letter, carries KIP-1034 headers instead).
+    /// by hand or by an earlier version carries KIP-1034 headers instead).
     pub fn of(record: &Record) -> Option<RetryEntry> {
         let (_, value) = record
             .headers
@@ -280,8 +280,8 @@ fn header_text(record: &Record, name: &str) -> String {
 }
 
 /// Decodes a retry-topic record at `now_ms`: its [`RetryEntry`], or else the
-/// dead-letter headers (a redriven dead letter, or a record written by hand or
-/// by an earlier version). A record with neither is retried as a first failure
+/// dead-letter headers (a record written by hand or by an earlier version,
+/// or a dead letter copied there by one). A record with neither is retried as a first failure
 /// of its own offset. A last failure later than now (a hand-set timestamp or
 /// header) counts as now: its entry would otherwise never fall due and the
 /// retry backlog never drain.
@@ -523,7 +523,7 @@ pub(crate) mod tests {
         assert_eq!(header(headers::OFFSET).as_deref(), Some("42"));
         assert_eq!(header(headers::ATTEMPTS).as_deref(), Some("3"));
         assert_eq!(header(headers::RETRY_ENTRY), None);
-        // A redriven dead letter reaches the retry topic with these headers.
+        // An earlier version redrove dead letters to the retry topic with these headers.
         let item = decode(stored(dead, 9), 10_000, |_, _| Duration::from_millis(250));
         assert_eq!(item.record, source);
         assert_eq!(item.failure, failure(3));
