@@ -5,7 +5,7 @@
 
 use super::RuntimeError;
 use super::app::hosted_partitions;
-use super::retry;
+use super::retry::redriven_record;
 use crate::config::RetryPolicy;
 use crate::log::RecordPosition;
 use crate::runtime::StreamsApp;
@@ -73,7 +73,7 @@ impl StreamsApp {
                     positions.extend(
                         shared
                             .log
-                            .append(&retry, chunk.into_iter().map(retry::redriven_record).collect())?,
+                            .append(&retry, chunk.into_iter().map(redriven_record).collect())?,
                     );
                 }
             }
@@ -90,9 +90,7 @@ impl StreamsApp {
                     let mut found = Vec::with_capacity(1);
                     shared.log.read(&dlq, partition, offset, 1, &mut found)?;
                     match found.pop() {
-                        Some(record) if record.offset == offset => {
-                            records.push(retry::redriven_record(record))
-                        }
+                        Some(record) if record.offset == offset => records.push(redriven_record(record)),
                         _ => {
                             return Err(RuntimeError::invalid_argument(
                                 format!("offsets[{i}]"),
