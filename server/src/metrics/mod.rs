@@ -210,27 +210,90 @@ async fn respond<S: AsyncRead + AsyncWrite + Unpin>(mut socket: S, handle: &Prom
     let _ = socket.shutdown().await;
 }
 
-/// Counts a batch's outcomes for `pipeline` and its task `task`.
-pub(crate) fn record_outcomes(pipeline: &str, task: &str, records: &[crate::metadata::RecordOutcome]) {
-    use crate::metadata::Outcome;
-    let mut counts = [0u64; 4];
-    for record in records {
-        counts[match record.outcome {
-            Outcome::Processed => 0,
-            Outcome::Retrying => 1,
-            Outcome::DeadLettered => 2,
-            Outcome::Failed => 3,
-        }] += 1;
-    }
-    for (outcome, count) in ["processed", "retrying", "dead_lettered", "failed"]
-        .into_iter()
-        .zip(counts)
-    {
-        if count > 0 {
-            metrics::counter!(RECORDS, "pipeline" => pipeline.to_string(), "outcome" => outcome)
-                .increment(count);
-            metrics::counter!(TASK_RECORDS, "task" => task.to_string(), "outcome" => outcome)
-                .increment(count);
+/// The outcomes `RECORDS` and `TASK_RECORDS` count, in `TaskMeters::records`' order.
+const OUTCOMES: [&str; 4] = ["processed", "retrying", "dead_lettered", "failed"];
+
+/// A task's outcome counters and processing-time histogram, registered once
+/// when the task is added. Naming a labelled metric at each use builds its
+/// key (the label strings) and looks it up in the recorder's registry: once
+/// per unit of work, that was a cost of its own (bench `retry`, parked-keys
+/// probe, where failures cut units short).
+pub(crate) struct TaskMeters {
+    /// By outcome (`OUTCOMES`): the pipeline's `RECORDS` and the task's `TASK_RECORDS`.
+    records: [(metrics::Counter, metrics::Counter); 4],
+    process_seconds: metrics::Histogram,
+}
+
+impl TaskMeters {
+    pub(crate) fn new(pipeline: &str, task: &str) -> TaskMeters {
+        TaskMeters {
+            records: OUTCOMES.map(|outcome| {
+                (
+                    metrics::counter!(RECORDS, "pipeline" => pipeline.to_string(), "outcome" => outcome),
+                    metrics::counter!(TASK_RECORDS, "task" => task.to_string(), "outcome" => outcome),
+                )
+            }),
+            process_seconds: metrics::histogram!(PROCESS_SECONDS, "task" => task.to_string()),
         }
+    }
+
+    /// Counts a batch's outcomes for the pipeline and the task.
+    pub(crate) fn record_outcomes(&self, records: &[crate::metadata::RecordOutcome]) {
+        use crate::metadata::Outcome;
+        let mut counts = [0u64; 4];
+        for record in records {
+            counts[match record.outcome {
+                Outcome::Processed => 0,
+                Outcome::Retrying => 1,
+                Outcome::DeadLettered => 2,
+                Outcome::Failed => 3,
+            }] += 1;
+        }
+        for ((pipeline, task), count) in self.records.iter().zip(counts) {
+            if count > 0 {
+                pipeline.increment(count);
+                task.increment(count);
+            }
+        }
+    }
+
+    /// Records the seconds a unit took per record (`PROCESS_SECONDS`).
+    pub(crate) fn record_process_seconds(&self, per_record: f64) {
+        self.process_seconds.record(per_record);
+    }
+}
+
+/// What a stream thread counts its busy time as (`THREAD_BUSY`'s `role`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BusyRole {
+    /// Units of a task it owns.
+    Owner,
+    /// Units of another thread's task.
+    Helper,
+    Retry,
+    Restore,
+}
+
+/// A stream thread's `THREAD_BUSY` counters, one per role, registered once
+/// per thread (see `TaskMeters` for why).
+pub(crate) struct BusyMeters([metrics::Counter; 4]);
+
+impl BusyMeters {
+    pub(crate) fn new(thread: &str) -> BusyMeters {
+        BusyMeters(
+            ["owner", "helper", "retry", "restore"]
+                .map(|role| metrics::counter!(THREAD_BUSY, "thread" => thread.to_string(), "role" => role)),
+        )
+    }
+
+    /// Counts `busy` of the thread's time in `role`.
+    pub(crate) fn count(&self, role: BusyRole, busy: std::time::Duration) {
+        let index = match role {
+            BusyRole::Owner => 0,
+            BusyRole::Helper => 1,
+            BusyRole::Retry => 2,
+            BusyRole::Restore => 3,
+        };
+        self.0[index].increment(busy.as_micros() as u64);
     }
 }

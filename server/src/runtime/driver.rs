@@ -11,6 +11,7 @@ use super::task::RestoreFrom;
 use super::work::WorkUnit;
 use crate::log::Record;
 use crate::metadata::AppState;
+use crate::metrics::BusyRole;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -206,7 +207,14 @@ fn run_unit(shared: &Shared, me: usize, task: usize, unit: WorkUnit, context: Un
     );
     let started = Instant::now();
     let done = span.in_scope(|| process::run_unit(shared, &context, unit));
-    context.count_busy(if context.owner { "owner" } else { "helper" }, started.elapsed());
+    context.count_busy(
+        if context.owner {
+            BusyRole::Owner
+        } else {
+            BusyRole::Helper
+        },
+        started.elapsed(),
+    );
     let sink = context.sink.clone();
     drop(context);
     let commit = {
@@ -301,18 +309,19 @@ fn fetch(
 }
 
 fn run_retries(shared: &Shared, me: usize, task: usize, items: Vec<RetryItem>, context: UnitContext) {
-    let guard = WorkGuard {
+    let mut guard = WorkGuard {
         shared,
         me,
         holding: Holding::Retries(task, items),
     };
-    let Holding::Retries(_, items) = &guard.holding else {
+    let Holding::Retries(_, items) = &mut guard.holding else {
         return;
     };
     let span = tracing::debug_span!("retries", task = %context.task_id, thread = %context.thread, items = items.len());
     let started = Instant::now();
-    let done = span.in_scope(|| process::run_retries(shared, &context, items.clone()));
-    context.count_busy("retry", started.elapsed());
+    // Takes the items out of the guard only once they are all attempted.
+    let done = span.in_scope(|| process::run_retries(shared, &context, items));
+    context.count_busy(BusyRole::Retry, started.elapsed());
     let sink = context.sink.clone();
     drop(context);
     let commit = {
@@ -350,7 +359,7 @@ fn restore(
         }
         RestoreFrom::Changelog => super::changelog::restore_chunk(shared, &context.store, from, until),
     };
-    context.count_busy("restore", started.elapsed());
+    context.count_busy(BusyRole::Restore, started.elapsed());
     let next = match replayed {
         Ok(next) => Some(next),
         Err(e) => {

@@ -92,7 +92,12 @@ fn outcome(
         outcome,
         attempts,
         error: error.map(|f| {
-            Arc::from(echo_up_to(&format!("{}: {}", f.kind, f.message), MAX_OUTCOME_ERROR_BYTES).as_ref())
+            // Sized up front: `format!` grows its string and copies it once more.
+            let mut text = String::with_capacity(f.kind.len() + 2 + f.message.len());
+            text.push_str(&f.kind);
+            text.push_str(": ");
+            text.push_str(&f.message);
+            Arc::from(echo_up_to(&text, MAX_OUTCOME_ERROR_BYTES).as_ref())
         }),
     }
 }
@@ -561,11 +566,10 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
             }
         }
     }
-    crate::metrics::record_outcomes(&pipeline.name, &context.task_id, &outcomes);
+    context.meters.record_outcomes(&outcomes);
     if !outcomes.is_empty() {
         let per_record = started.elapsed().as_secs_f64() / outcomes.len() as f64;
-        metrics::histogram!(crate::metrics::PROCESS_SECONDS, "task" => context.task_id.to_string())
-            .record(per_record);
+        context.meters.record_process_seconds(per_record);
     }
     UnitDone {
         lane: unit.lane,
@@ -578,7 +582,11 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
 
 /// Attempts retry items: success is final; a failure waits for its next
 /// attempt with backoff, or after the last one is dead-lettered.
-pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<RetryItem>) -> RetriesDone {
+///
+/// The items stay in `items` (the caller's guard, which gives them back
+/// should the thread die) until the end, where they are moved into the
+/// answer: a copy for the guard cost each item several allocations.
+pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: &mut Vec<RetryItem>) -> RetriesDone {
     /// Where an item stands after its attempt.
     enum Next {
         Processed,
@@ -592,13 +600,13 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
     let max_attempts = shared.config.retry_max_attempts;
     let keyed = context.gating != Gating::Off;
     let mut buffer: Vec<Write> = Vec::new();
-    let mut attempted = Vec::with_capacity(items.len());
+    let mut attempted: Vec<Next> = Vec::with_capacity(items.len());
     let mut blocked_keys = KeySet::default();
     // The remote processor could not be reached: the items left wait untouched.
     let mut unreachable = false;
     // Output records of the processed items, by source offset.
     let mut emitted: Vec<ProducerRecord> = Vec::new();
-    for mut item in items {
+    for item in items.iter_mut() {
         let blocked = keyed
             && item
                 .record
@@ -606,7 +614,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
                 .as_ref()
                 .is_some_and(|key| blocked_keys.contains(key));
         if unreachable || blocked {
-            attempted.push((item, Next::Untouched));
+            attempted.push(Next::Untouched);
             continue;
         }
         let number = item.failure.attempts + 1;
@@ -620,7 +628,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
         };
         let Ok(result) = attempt_alone(shared, context, &item.record, number, tag, &mut buffer) else {
             unreachable = true;
-            attempted.push((item, Next::Untouched));
+            attempted.push(Next::Untouched);
             continue;
         };
         let next = match result {
@@ -648,10 +656,11 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
                 }
             }
         };
-        attempted.push((item, next));
+        attempted.push(next);
     }
-    let dead: Vec<ProducerRecord> = attempted
+    let dead: Vec<ProducerRecord> = items
         .iter()
+        .zip(&attempted)
         .filter(|(_, next)| matches!(next, Next::DeadLetter))
         .map(|(item, _)| retry::dead_letter_record(&pipeline.topic, &item.record, &item.failure))
         .collect();
@@ -660,7 +669,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
     let mut finished = Vec::new();
     let mut again = Vec::new();
     let mut outcomes = Vec::with_capacity(attempted.len());
-    for (mut item, next) in attempted {
+    for (mut item, next) in items.drain(..).zip(attempted) {
         let attempts = item.failure.attempts;
         let final_outcome = match next {
             Next::Untouched => false,
@@ -707,7 +716,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: Vec<Ret
             again.push(item);
         }
     }
-    crate::metrics::record_outcomes(&pipeline.name, &context.task_id, &outcomes);
+    context.meters.record_outcomes(&outcomes);
     RetriesDone {
         finished,
         again,

@@ -17,6 +17,7 @@ use super::stores::TaskStore;
 use super::task::{Restore, TaskInit, task_id};
 use super::work::{Gating, HoldLimits};
 use crate::config::{ProcessingOrder, RetryPolicy, StoreKind};
+use crate::metrics::TaskMeters;
 use crate::store::Checkpoint;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -158,6 +159,7 @@ pub(crate) fn plan(
     };
     let transaction = shared.exactly_once().then(|| shared.transactional_id(&id));
     Ok(TaskInit {
+        meters: Arc::new(TaskMeters::new(&p.name, &id)),
         id,
         pipeline,
         partition,

@@ -107,49 +107,134 @@ pub struct RetryEntry {
 /// The first field of a `RetryEntry`'s value.
 const ENTRY_VERSION: &str = "1";
 
+/// A [`RetryEntry`]'s fields with its texts borrowed: a failing record's
+/// entry is encoded straight from the record and its failure, without
+/// copying the exception and the message into an entry first.
+struct EntryFields<'a> {
+    partition: u32,
+    offset: u64,
+    timestamp_ms: i64,
+    attempts: u32,
+    first_failure_ms: i64,
+    last_failure_ms: i64,
+    exception: &'a str,
+    message: &'a str,
+}
+
+impl EntryFields<'_> {
+    /// The header value (see [`RetryEntry`]). The numbers are written by
+    /// hand: through `core::fmt` they were most of what encoding cost, and
+    /// every failing record is encoded (bench `retry`, parked-keys probe).
+    fn encode(&self) -> Bytes {
+        let mut text = Vec::with_capacity(ENTRY_NUMBERS_MAX + self.exception.len() + self.message.len());
+        text.extend_from_slice(ENTRY_VERSION.as_bytes());
+        push_unsigned(&mut text, u64::from(self.partition));
+        push_unsigned(&mut text, self.offset);
+        push_signed(&mut text, self.timestamp_ms);
+        push_unsigned(&mut text, u64::from(self.attempts));
+        push_signed(&mut text, self.first_failure_ms);
+        push_signed(&mut text, self.last_failure_ms);
+        push_unsigned(&mut text, self.exception.len() as u64);
+        text.push(b' ');
+        text.extend_from_slice(self.exception.as_bytes());
+        text.push(b' ');
+        text.extend_from_slice(self.message.as_bytes());
+        Bytes::from(text)
+    }
+}
+
+/// The most bytes an entry's version and numbers take: seven numbers of at
+/// most 20 digits and a sign, each after a space.
+const ENTRY_NUMBERS_MAX: usize = 1 + 7 * 22 + 2;
+
+/// Appends a space and `value` in decimal.
+fn push_unsigned(text: &mut Vec<u8>, value: u64) {
+    text.push(b' ');
+    push_digits(text, value);
+}
+
+/// Appends a space and `value` in decimal, `-` first when negative.
+fn push_signed(text: &mut Vec<u8>, value: i64) {
+    text.push(b' ');
+    if value < 0 {
+        text.push(b'-');
+    }
+    push_digits(text, value.unsigned_abs());
+}
+
+fn push_digits(text: &mut Vec<u8>, value: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    let mut rest = value;
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    text.extend_from_slice(&digits[at..]);
+}
+
+/// The field before the next space of `rest`, which moves past that space.
+fn next_field<'a>(rest: &mut &'a [u8]) -> Option<&'a [u8]> {
+    let at = rest.iter().position(|&b| b == b' ')?;
+    let field = &rest[..at];
+    *rest = &rest[at + 1..];
+    Some(field)
+}
+
+/// A decimal without sign (what `push_unsigned` writes), or `None`.
+fn parse_unsigned(field: &[u8]) -> Option<u64> {
+    if field.is_empty() {
+        return None;
+    }
+    field.iter().try_fold(0u64, |value, &b| {
+        let digit = b.checked_sub(b'0').filter(|d| *d < 10)?;
+        value.checked_mul(10)?.checked_add(u64::from(digit))
+    })
+}
+
+/// A decimal with an optional `-` (what `push_signed` writes), or `None`.
+fn parse_signed(field: &[u8]) -> Option<i64> {
+    match field.split_first() {
+        Some((b'-', digits)) => 0i64.checked_sub_unsigned(parse_unsigned(digits)?),
+        _ => i64::try_from(parse_unsigned(field)?).ok(),
+    }
+}
+
 impl RetryEntry {
     /// The header value (see the type's documentation).
     pub fn encode(&self) -> Bytes {
-        use std::fmt::Write as _;
-        let mut text = String::with_capacity(80 + self.exception.len() + self.message.len());
-        // Writing to a String cannot fail.
-        let _ = write!(
-            text,
-            "{ENTRY_VERSION} {} {} {} {} {} {} {} {} {}",
-            self.partition,
-            self.offset,
-            self.timestamp_ms,
-            self.attempts,
-            self.first_failure_ms,
-            self.last_failure_ms,
-            self.exception.len(),
-            self.exception,
-            self.message
-        );
-        Bytes::from(text.into_bytes())
+        EntryFields {
+            partition: self.partition,
+            offset: self.offset,
+            timestamp_ms: self.timestamp_ms,
+            attempts: self.attempts,
+            first_failure_ms: self.first_failure_ms,
+            last_failure_ms: self.last_failure_ms,
+            exception: &self.exception,
+            message: &self.message,
+        }
+        .encode()
     }
 
     /// Parses a header value; `None` if it is not one this version wrote.
     pub fn parse(value: &[u8]) -> Option<RetryEntry> {
-        let text = std::str::from_utf8(value).ok()?;
-        let mut rest = text;
-        let mut field = || -> Option<&str> {
-            let (head, tail) = rest.split_once(' ')?;
-            rest = tail;
-            Some(head)
-        };
-        if field()? != ENTRY_VERSION {
+        let mut rest = value;
+        if next_field(&mut rest)? != ENTRY_VERSION.as_bytes() {
             return None;
         }
-        let partition = field()?.parse().ok()?;
-        let offset = field()?.parse().ok()?;
-        let timestamp_ms = field()?.parse().ok()?;
-        let attempts = field()?.parse().ok()?;
-        let first_failure_ms = field()?.parse().ok()?;
-        let last_failure_ms = field()?.parse().ok()?;
-        let exception_len: usize = field()?.parse().ok()?;
+        let partition = u32::try_from(parse_unsigned(next_field(&mut rest)?)?).ok()?;
+        let offset = parse_unsigned(next_field(&mut rest)?)?;
+        let timestamp_ms = parse_signed(next_field(&mut rest)?)?;
+        let attempts = u32::try_from(parse_unsigned(next_field(&mut rest)?)?).ok()?;
+        let first_failure_ms = parse_signed(next_field(&mut rest)?)?;
+        let last_failure_ms = parse_signed(next_field(&mut rest)?)?;
+        let exception_len = usize::try_from(parse_unsigned(next_field(&mut rest)?)?).ok()?;
         let exception = rest.get(..exception_len)?;
-        let message = rest.get(exception_len..)?.strip_prefix(' ')?;
+        let message = rest.get(exception_len..)?.strip_prefix(b" ")?;
         Some(RetryEntry {
             partition,
             offset,
@@ -157,8 +242,8 @@ impl RetryEntry {
             attempts,
             first_failure_ms,
             last_failure_ms,
-            exception: exception.to_string(),
-            message: message.to_string(),
+            exception: std::str::from_utf8(exception).ok()?.to_string(),
+            message: std::str::from_utf8(message).ok()?.to_string(),
         })
     }
 
@@ -191,15 +276,15 @@ fn own_headers(record: &Record, more: usize) -> Vec<(String, Bytes)> {
 /// the original headers, then its [`RetryEntry`].
 pub(crate) fn retry_record(record: &Record, failure: &Failure) -> ProducerRecord {
     let mut headers = own_headers(record, 1);
-    let entry = RetryEntry {
+    let entry = EntryFields {
         partition: record.partition,
         offset: record.offset,
         timestamp_ms: record.timestamp_ms,
         attempts: failure.attempts,
         first_failure_ms: failure.first_failure_ms,
         last_failure_ms: failure.last_failure_ms,
-        exception: failure.kind.clone(),
-        message: failure.message.clone(),
+        exception: &failure.kind,
+        message: &failure.message,
     };
     headers.push((headers::RETRY_ENTRY.to_string(), entry.encode()));
     ProducerRecord {
@@ -569,6 +654,32 @@ pub(crate) mod tests {
             });
             assert_eq!(item.record.offset, 7, "a record written by hand: its own offset");
             assert_eq!(item.failure.attempts, 1);
+        }
+    }
+
+    #[test]
+    fn an_entry_is_written_as_its_documented_text() {
+        let entry = RetryEntry {
+            partition: 0,
+            offset: 42,
+            timestamp_ms: 1_700_000_000_000,
+            attempts: 1,
+            first_failure_ms: -5,
+            last_failure_ms: i64::MIN,
+            exception: "Timeout".into(),
+            message: "took longer than 30000 ms".into(),
+        };
+        let text = "1 0 42 1700000000000 1 -5 -9223372036854775808 7 Timeout took longer than 30000 ms";
+        assert_eq!(entry.encode(), Bytes::from(text));
+        assert_eq!(RetryEntry::parse(text.as_bytes()), Some(entry));
+        for bad in [
+            "1 0 +42 1 1 1 1 0  m",
+            "1 0 42 1 1 1 1 0 ",
+            "1 4294967296 42 1 1 1 1 0  m",
+            "1 0 18446744073709551616 1 1 1 1 0  m",
+            "1 0 42 - 1 1 1 0  m",
+        ] {
+            assert_eq!(RetryEntry::parse(bad.as_bytes()), None, "{bad}");
         }
     }
 

@@ -374,6 +374,8 @@ impl Scheduler {
             pipeline: t.pipeline(),
             partition: t.partition(),
             thread: self.threads[thread].name.clone(),
+            busy: self.threads[thread].busy.clone(),
+            meters: t.meters().clone(),
             store: t.store().clone(),
             locks: t.locks().clone(),
             gating: t.gating(),

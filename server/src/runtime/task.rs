@@ -25,6 +25,7 @@ use super::work::{Gating, HoldLimits, WorkQueue, WorkUnit};
 use crate::config::ProcessingOrder;
 use crate::log::{ProducerRecord, Record};
 use crate::metadata::{Outcome, OutcomeBatch, RecordOutcome};
+use crate::metrics::TaskMeters;
 use bytes::Bytes;
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -147,10 +148,12 @@ pub(crate) struct TaskInit {
     /// The task's transactional id when commits are Kafka transactions
     /// (`exactly_once_v2`).
     pub(crate) transaction: Option<String>,
+    pub(crate) meters: Arc<TaskMeters>,
 }
 
 pub(crate) struct Task {
     id: Arc<str>,
+    meters: Arc<TaskMeters>,
     pipeline: usize,
     partition: u32,
     order: ProcessingOrder,
@@ -218,6 +221,7 @@ impl Task {
         }
         Task {
             id: init.id,
+            meters: init.meters,
             pipeline: init.pipeline,
             partition: init.partition,
             order: init.order,
@@ -262,6 +266,10 @@ impl Task {
 
     pub(crate) fn id(&self) -> &Arc<str> {
         &self.id
+    }
+
+    pub(crate) fn meters(&self) -> &Arc<TaskMeters> {
+        &self.meters
     }
 
     pub(crate) fn pipeline(&self) -> usize {

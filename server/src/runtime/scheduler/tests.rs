@@ -6,6 +6,7 @@
 use super::*;
 use crate::config::ProcessingOrder;
 use crate::metadata::Outcome;
+use crate::metrics::TaskMeters;
 use crate::runtime::retry::Failure;
 use crate::runtime::retry_queue::RetryQueue;
 use crate::runtime::stores::TaskStore;
@@ -56,6 +57,7 @@ fn init(partition: u32, order: ProcessingOrder, t: usize, start: u64, batch: usi
         hold: HoldLimits::new(1_000, 100),
         outcome_retention_records: 10_000,
         transaction: None,
+        meters: Arc::new(TaskMeters::new("p", &format!("p_{partition}"))),
     }
 }
 

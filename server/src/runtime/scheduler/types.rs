@@ -10,6 +10,7 @@ use super::super::task::{RestoreFrom, Task};
 use super::super::work::{Gating, WorkUnit};
 use crate::log::{ProducerRecord, Record};
 use crate::metadata::RecordOutcome;
+use crate::metrics::{BusyMeters, BusyRole, TaskMeters};
 use bytes::Bytes;
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,6 +38,7 @@ pub(super) enum Life {
 /// One stream thread's slot; slots are never removed, so indices stay valid.
 pub(crate) struct ThreadSlot {
     pub(super) name: Arc<str>,
+    pub(super) busy: Arc<BusyMeters>,
     pub(super) life: Life,
     pub(super) lease: Lease,
     pub(super) records_processed: u64,
@@ -51,6 +53,7 @@ pub(crate) struct ThreadSlot {
 impl ThreadSlot {
     pub(super) fn new(name: Arc<str>) -> ThreadSlot {
         ThreadSlot {
+            busy: Arc::new(BusyMeters::new(&name)),
             name,
             life: Life::Running,
             lease: Lease::None,
@@ -98,6 +101,9 @@ pub(crate) struct UnitContext {
     pub(crate) pipeline: usize,
     pub(crate) partition: u32,
     pub(crate) thread: Arc<str>,
+    /// The thread's busy-time counters.
+    pub(crate) busy: Arc<BusyMeters>,
+    pub(crate) meters: Arc<TaskMeters>,
     pub(crate) store: Arc<TaskStore>,
     pub(crate) locks: Arc<KeyLocks>,
     pub(crate) gating: Gating,
@@ -114,10 +120,9 @@ pub(crate) struct UnitContext {
 }
 
 impl UnitContext {
-    /// Counts `busy` seconds of this thread's work in `role` (owner, helper, retry, restore).
-    pub(crate) fn count_busy(&self, role: &'static str, busy: std::time::Duration) {
-        metrics::counter!(crate::metrics::THREAD_BUSY, "thread" => self.thread.to_string(), "role" => role)
-            .increment(busy.as_micros() as u64);
+    /// Counts `busy` of this thread's time in `role`.
+    pub(crate) fn count_busy(&self, role: BusyRole, busy: std::time::Duration) {
+        self.busy.count(role, busy);
     }
 }
 
