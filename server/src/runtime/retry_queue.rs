@@ -81,6 +81,10 @@ pub(crate) fn fetch_delay_ms(retry_backoff_ms: u64, retry_backoff_max_ms: u64) -
 /// each may take as long as the processor's latency.
 const RETRY_UNIT_MAX: usize = 16;
 
+/// A pick looks at most this many waiting items: it runs under the
+/// scheduler's lock, and a long backlog is served from its front.
+const SCAN_MAX: usize = 1024;
+
 /// Keyed, a unit finishes the runs of the keys it started (a failed record
 /// and the records parked behind it, which need no backoff), up to this.
 const RETRY_UNIT_MAX_KEYED: usize = 256;
@@ -292,7 +296,7 @@ impl RetryQueue {
         }
         let mut seen_keys: foldhash::HashSet<&Bytes> = Default::default();
         let mut next: Option<i64> = None;
-        for item in self.waiting.values().take(1024) {
+        for item in self.waiting.values().take(SCAN_MAX) {
             if let Some(key) = item.record.key.as_ref().filter(|_| self.keyed)
                 && (self.busy_keys.contains(key) || !seen_keys.insert(key))
             {
@@ -329,10 +333,13 @@ impl RetryQueue {
         // runs under the scheduler's lock.
         let mut picked: Vec<(usize, u64)> = Vec::new();
         let mut run_lengths: Vec<usize> = Vec::new();
-        let mut keys: foldhash::HashMap<&Bytes, KeyRun> = Default::default();
+        // Sized for the scan at once: grown from empty it rehashed on every
+        // pick that found an item due.
+        let mut keys: foldhash::HashMap<&Bytes, KeyRun> =
+            foldhash::HashMap::with_capacity_and_hasher(self.waiting.len().min(SCAN_MAX), Default::default());
         let mut next_due = i64::MAX;
         let mut held_back = false;
-        for (&offset, item) in self.waiting.iter().take(1024) {
+        for (&offset, item) in self.waiting.iter().take(SCAN_MAX) {
             let released = may_run(item.record.offset);
             held_back |= !released;
             let due = item.due_ms <= now_ms && released;
