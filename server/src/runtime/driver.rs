@@ -327,8 +327,9 @@ fn run_retries(shared: &Shared, me: usize, task: usize, items: Vec<RetryItem>, c
     let commit = {
         let mut scheduler = shared.lock();
         let commit = scheduler.finish_retries(me, task, done);
-        // Finished retries open keys and may free held records: wake helpers.
-        shared.wake.notify_all();
+        // Finished retries open keys and may free held records: wake
+        // helpers, if any wait (a wake-up costs a system call even then).
+        shared.wake_waiters(&scheduler);
         commit
     };
     guard.done();
