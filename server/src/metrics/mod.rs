@@ -263,7 +263,8 @@ impl TaskMeters {
     }
 }
 
-/// What a stream thread counts its busy time as (`THREAD_BUSY`'s `role`).
+/// What a stream thread counts its busy time as (`THREAD_BUSY`'s `role`,
+/// named in `BUSY_ROLES` in this order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum BusyRole {
     /// Units of a task it owns.
@@ -274,6 +275,8 @@ pub(crate) enum BusyRole {
     Restore,
 }
 
+const BUSY_ROLES: [&str; 4] = ["owner", "helper", "retry", "restore"];
+
 /// A stream thread's `THREAD_BUSY` counters, one per role, registered once
 /// per thread (see `TaskMeters` for why).
 pub(crate) struct BusyMeters([metrics::Counter; 4]);
@@ -281,19 +284,13 @@ pub(crate) struct BusyMeters([metrics::Counter; 4]);
 impl BusyMeters {
     pub(crate) fn new(thread: &str) -> BusyMeters {
         BusyMeters(
-            ["owner", "helper", "retry", "restore"]
+            BUSY_ROLES
                 .map(|role| metrics::counter!(THREAD_BUSY, "thread" => thread.to_string(), "role" => role)),
         )
     }
 
     /// Counts `busy` of the thread's time in `role`.
     pub(crate) fn count(&self, role: BusyRole, busy: std::time::Duration) {
-        let index = match role {
-            BusyRole::Owner => 0,
-            BusyRole::Helper => 1,
-            BusyRole::Retry => 2,
-            BusyRole::Restore => 3,
-        };
-        self.0[index].increment(busy.as_micros() as u64);
+        self.0[role as usize].increment(busy.as_micros() as u64);
     }
 }
