@@ -324,15 +324,20 @@ fn run_retries(shared: &Shared, me: usize, task: usize, items: Vec<RetryItem>, c
     context.count_busy(BusyRole::Retry, started.elapsed());
     let sink = context.sink.clone();
     drop(context);
-    let commit = {
+    let (commit, next) = {
         let mut scheduler = shared.lock();
-        let commit = scheduler.finish_retries(me, task, done);
+        let finished = scheduler.finish_retries(me, task, done);
         // Finished retries open keys and may free held records: wake
         // helpers, if any wait (a wake-up costs a system call even then).
         shared.wake_waiters(&scheduler);
-        commit
+        finished
     };
     guard.done();
+    // The records held behind the keys that opened run here and now, first:
+    // until `run_unit` guards them, nothing else would give them back.
+    if let Some((unit, context)) = next {
+        run_unit(shared, me, task, unit, context);
+    }
     drain_sink(shared, sink.as_deref());
     if let Some(item) = commit {
         super::commit::run(shared, vec![item]);

@@ -573,6 +573,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
     }
     UnitDone {
         lane: unit.lane,
+        drains: unit.drains.clone(),
         outcomes,
         returned,
         retry_keys,

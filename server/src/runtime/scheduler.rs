@@ -655,13 +655,21 @@ impl Scheduler {
         self.task_mut(t).finish_retry_fetch(generation, result);
     }
 
-    pub(crate) fn finish_retries(&mut self, me: usize, t: usize, done: RetriesDone) -> Option<CommitItem> {
+    /// Retry items came back. Answers a commit that was waiting for the task
+    /// to be idle, and the unit of held records this thread runs next, if
+    /// the keys that opened had any (see `Task::finish_retries`).
+    pub(crate) fn finish_retries(
+        &mut self,
+        me: usize,
+        t: usize,
+        done: RetriesDone,
+    ) -> (Option<CommitItem>, Option<(WorkUnit, UnitContext)>) {
         self.release_lease(me, Lease::Retry(t));
         let thread = self.threads[me].name.clone();
         let make_batch = self.make_batch(t);
         let task = self.task_mut(t);
         let pipeline = task.pipeline();
-        let batch = task.finish_retries(
+        let (batch, drained) = task.finish_retries(
             &thread,
             &done.finished,
             done.again,
@@ -670,7 +678,11 @@ impl Scheduler {
             make_batch,
         );
         self.publish(pipeline, batch);
-        self.commit_if_ready(t)
+        let next = drained.map(|unit| {
+            self.threads[me].lease = Lease::Unit(t);
+            (unit, self.context(t, me))
+        });
+        (self.commit_if_ready(t), next)
     }
 
     pub(crate) fn return_retries(&mut self, me: usize, t: usize, items: Vec<RetryItem>) {

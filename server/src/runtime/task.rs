@@ -528,7 +528,11 @@ impl Task {
     /// A unit's thread died holding it: every record goes back, unchanged.
     pub(crate) fn return_unit(&mut self, unit: WorkUnit) {
         self.active -= 1;
-        self.work.give_back(unit.lane, unit.records);
+        if unit.drains_held() {
+            self.work.finish_drained(&unit.drains, unit.records);
+        } else {
+            self.work.give_back(unit.lane, unit.records);
+        }
     }
 
     /// A unit came back: outcomes of the records it completed, records it
@@ -542,15 +546,21 @@ impl Task {
     ) -> Option<Arc<OutcomeBatch>> {
         let UnitDone {
             lane,
+            drains,
             outcomes,
             returned,
             retry_keys,
             outputs,
         } = done;
         self.active -= 1;
-        self.work.give_back(lane, returned);
+        // Gated first: a key that failed in the unit holds its returned records.
         for key in &retry_keys {
             self.work.gate_key(key);
+        }
+        if drains.is_empty() {
+            self.work.give_back(lane, returned);
+        } else {
+            self.work.finish_drained(&drains, returned);
         }
         self.count(&outcomes);
         let released = if self.held_release {
@@ -636,7 +646,11 @@ impl Task {
     }
 
     /// Retry items came back: `finished` reached a final outcome (their keys
-    /// open), `again` wait for another attempt.
+    /// open), `again` wait for another attempt. Answers the batch released to
+    /// subscribers, and a unit of the records held behind the keys that
+    /// opened, for the same thread to run next (`key` order, while the task
+    /// has room for one more unit): taken in the same step, no later record of
+    /// those keys can start before them.
     pub(crate) fn finish_retries(
         &mut self,
         thread: &Arc<str>,
@@ -645,20 +659,29 @@ impl Task {
         outcomes: Vec<RecordOutcome>,
         outputs: Vec<ProducerRecord>,
         make_batch: impl Fn(&Arc<str>, Vec<RecordOutcome>) -> OutcomeBatch,
-    ) -> Option<Arc<OutcomeBatch>> {
+    ) -> (Option<Arc<OutcomeBatch>>, Option<WorkUnit>) {
         // A retried record is below the watermark already: its outputs go
         // out when it succeeds, after those of the records that passed it.
         if let Some(sink) = &self.sink {
             sink.push(outputs);
         }
         self.retry.complete(finished, again);
+        let may_drain = self.work.gating() == Gating::Hold && self.has_room() && self.may_start_units();
+        let mut drained = None;
         for (_, _, key) in finished {
             if let Some(key) = key {
-                self.work.ungate_key(key);
+                if may_drain {
+                    self.work.ungate_key_into(key, &mut drained);
+                } else {
+                    self.work.ungate_key(key);
+                }
             }
         }
+        if drained.is_some() {
+            self.active += 1;
+        }
         self.count(&outcomes);
-        self.publish(thread, outcomes, make_batch)
+        (self.publish(thread, outcomes, make_batch), drained)
     }
 
     pub(crate) fn return_retries(&mut self, items: Vec<RetryItem>) {

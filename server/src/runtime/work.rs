@@ -125,7 +125,7 @@ pub(crate) enum Gating {
 }
 
 /// A unit of work: records one thread processes in order, then completes at once.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(crate) struct WorkUnit {
     pub(crate) records: Vec<Record>,
     /// Indices of `records` to park on the retry topic instead of processing.
@@ -136,6 +136,10 @@ pub(crate) struct WorkUnit {
     /// a unit can tell a record is not of a key that failed in it without
     /// reading the key. Empty for ranges.
     key_hashes: Vec<Option<u32>>,
+    /// Keys whose held records this unit runs, taken from the gate as the
+    /// key's retry finished (see [`WorkQueue::ungate_key_into`]); empty for
+    /// units cut from lanes or ranges.
+    pub(crate) drains: Vec<Bytes>,
 }
 
 impl WorkUnit {
@@ -147,6 +151,11 @@ impl WorkUnit {
     /// the record has no key).
     pub(crate) fn key_hash(&self, index: usize) -> Option<Option<u32>> {
         self.key_hashes.get(index).copied()
+    }
+
+    /// Whether it runs records held behind keys' retries (see `drains`).
+    pub(crate) fn drains_held(&self) -> bool {
+        !self.drains.is_empty()
     }
 }
 
@@ -231,6 +240,11 @@ struct GateEntry {
     on_retry_path: u32,
     /// Later records of the key, in offset order, not yet run.
     held: VecDeque<Record>,
+    /// Its held records run in a unit of their own (`ungate_key_into`): the
+    /// key stays gated until that unit is back, so its later records wait
+    /// behind them (held whatever the budget: parking one would let its retry
+    /// run beside the unit).
+    draining: bool,
 }
 
 pub(crate) struct WorkQueue {
@@ -406,9 +420,8 @@ impl WorkQueue {
                 self.queued -= records.len();
                 WorkUnit {
                     records,
-                    park: Vec::new(),
                     lane: None,
-                    key_hashes: Vec::new(),
+                    ..WorkUnit::default()
                 }
             }
             Units::Lanes { lanes, cursor, ready } => {
@@ -451,7 +464,10 @@ impl WorkQueue {
                         key_hashes.push(queued.key_hash);
                         continue;
                     }
-                    if self.gating == Gating::Hold && self.gate.held_records < self.hold.budget {
+                    if self.gating == Gating::Hold
+                        && (self.gate.held_records < self.hold.budget
+                            || self.gate.is_draining(&queued.record))
+                    {
                         self.gate.hold(queued.record);
                         continue;
                     }
@@ -495,6 +511,7 @@ impl WorkQueue {
                     park,
                     lane: Some(lane),
                     key_hashes,
+                    drains: Vec::new(),
                 }
             }
         };
@@ -513,8 +530,27 @@ impl WorkQueue {
 
     /// Takes a unit back: its thread died (`returned` is the whole unit) or
     /// stopped early (`returned` is what it did not run). The records go back
-    /// to the front, so they still run before anything fetched after them.
-    pub(crate) fn give_back(&mut self, lane: Option<usize>, returned: Vec<Record>) {
+    /// to the front, so they still run before anything fetched after them;
+    /// in `key` order those of a gated key (one that failed in the unit, gated
+    /// just before) go straight to the gate instead, to run when it opens,
+    /// rather than through their lane to be cut and held there.
+    pub(crate) fn give_back(&mut self, lane: Option<usize>, mut returned: Vec<Record>) {
+        if self.gating == Gating::Hold && lane.is_some() && !self.gate.keys.is_empty() && !returned.is_empty()
+        {
+            let mut to_lane = Vec::with_capacity(returned.len());
+            for record in returned {
+                if record
+                    .key
+                    .as_ref()
+                    .is_some_and(|k| self.gate.keys.contains_key(k))
+                {
+                    self.gate.hold(record);
+                } else {
+                    to_lane.push(record);
+                }
+            }
+            returned = to_lane;
+        }
         self.queued += returned.len();
         match (&mut self.units, lane) {
             (Units::Lanes { lanes, ready, .. }, Some(i)) => {
@@ -549,13 +585,83 @@ impl WorkQueue {
     /// it was the last, the key opens and its held records go back to the
     /// front of its lane, ahead of any later record of the key.
     pub(crate) fn ungate_key(&mut self, key: &[u8]) {
-        let Some(entry) = self.gate.keys.get_mut(key) else {
-            return;
-        };
-        entry.on_retry_path = entry.on_retry_path.saturating_sub(1);
-        if entry.on_retry_path > 0 {
+        if self.leave_retry_path(key) {
+            self.open_key(key);
+        }
+    }
+
+    /// As `ungate_key`, but when the key opens with records held (`key`
+    /// order), they go into `unit` (made if need be; up to `max_batch_records`)
+    /// for the thread that ran the retry to run next, instead of back to
+    /// their lane to wait for a unit cut there: they hold the watermark, and
+    /// lanes are taken longest first. The key stays gated until
+    /// `finish_drained` takes the unit back.
+    pub(crate) fn ungate_key_into(&mut self, key: &Bytes, unit: &mut Option<WorkUnit>) {
+        if !self.leave_retry_path(key) {
             return;
         }
+        let room = self.max_batch_records - unit.as_ref().map_or(0, |u| u.records.len());
+        let lanes = matches!(self.units, Units::Lanes { .. });
+        let Some(entry) = self
+            .gate
+            .keys
+            .get_mut(key)
+            .filter(|e| lanes && room > 0 && !e.held.is_empty())
+        else {
+            self.open_key(key);
+            return;
+        };
+        // What does not fit stays held, and goes to the lane when the key opens.
+        entry.draining = true;
+        let taken = entry.held.len().min(room);
+        self.gate.held_records -= taken;
+        let unit = unit.get_or_insert_with(WorkUnit::default);
+        let hash = Some(key_hash(key));
+        unit.key_hashes.extend(std::iter::repeat_n(hash, taken));
+        unit.records.extend(entry.held.drain(..taken));
+        unit.drains.push(key.clone());
+    }
+
+    /// A unit made by `ungate_key_into` came back: what it did not run (its
+    /// thread died, its time ran out, or a key failed again in it) waits again
+    /// at the front of its key's held records, and each key opens unless the
+    /// unit put it back on the retry path.
+    pub(crate) fn finish_drained(&mut self, keys: &[Bytes], returned: Vec<Record>) {
+        for record in returned.into_iter().rev() {
+            let entry = record.key.as_ref().and_then(|k| self.gate.keys.get_mut(k));
+            debug_assert!(
+                entry.is_some(),
+                "a drained unit holds only its gated keys' records"
+            );
+            if let Some(entry) = entry {
+                entry.held.push_front(record);
+                self.gate.held_records += 1;
+            }
+        }
+        for key in keys {
+            let Some(entry) = self.gate.keys.get_mut(key) else {
+                continue;
+            };
+            entry.draining = false;
+            if entry.on_retry_path == 0 {
+                self.open_key(key);
+            }
+        }
+    }
+
+    /// Counts off one entry of `key` on the retry path: whether it was the
+    /// last (and the key is not draining), so the key may open.
+    fn leave_retry_path(&mut self, key: &[u8]) -> bool {
+        let Some(entry) = self.gate.keys.get_mut(key) else {
+            return false;
+        };
+        entry.on_retry_path = entry.on_retry_path.saturating_sub(1);
+        entry.on_retry_path == 0 && !entry.draining
+    }
+
+    /// `key` has no entry on the retry path left: it opens, and its held
+    /// records go back to the front of its lane, ahead of any later record.
+    fn open_key(&mut self, key: &[u8]) {
         let Some(entry) = self.gate.keys.remove(key) else {
             return;
         };
@@ -627,6 +733,15 @@ impl KeyGate {
             entry.held.push_back(record);
             self.held_records += 1;
         }
+    }
+
+    /// Whether `record`'s key has its held records running (see `GateEntry::draining`).
+    fn is_draining(&self, record: &Record) -> bool {
+        record
+            .key
+            .as_ref()
+            .and_then(|k| self.keys.get(k))
+            .is_some_and(|entry| entry.draining)
     }
 
     fn take_held(&mut self, key: &Bytes) -> VecDeque<Record> {
@@ -786,6 +901,97 @@ mod tests {
         assert!(parked.is_empty());
     }
 
+    #[test]
+    fn an_opening_keys_held_records_go_into_a_unit_and_the_key_stays_gated_until_it_is_back() {
+        let now = Instant::now();
+        let (a, b) = (Bytes::from_static(b"a"), Bytes::from_static(b"b"));
+        // A budget of one: past it a gated key's lane would pause.
+        let mut work = WorkQueue::new(true, false, Gating::Hold, 2, 3, limits(1));
+        work.gate_key(&a);
+        work.gate_key(&b);
+        work.push_fetched(vec![
+            record("a", 0),
+            record("a", 1),
+            record("a", 2),
+            record("b", 3),
+        ]);
+        // The first record is held, the budget is spent: the lane pauses.
+        assert_eq!(drain(&mut work, now), (vec![], vec![]));
+        assert_eq!(work.held(), 1);
+        work.ungate_key(&b);
+        let mut unit = None;
+        work.ungate_key_into(&a, &mut unit);
+        let unit = unit.expect("a's held record");
+        assert_eq!((offsets(&unit), unit.drains.clone()), (vec![0], vec![a.clone()]));
+        assert_eq!(unit.key_hash(0), Some(Some(key_hash(b"a"))));
+        // While it runs, a's later records are held whatever the budget:
+        // parking one would let its retry run beside the unit.
+        let (taken, parked) = drain(&mut work, now + PAUSE * 2);
+        assert!(
+            taken.contains(&3) && !taken.contains(&1) && parked.is_empty(),
+            "{taken:?}"
+        );
+        assert_eq!(work.held(), 2);
+        // Back done: a opens and its records go to its lane, in order.
+        work.finish_drained(&unit.drains, Vec::new());
+        assert_eq!(work.held(), 0);
+        assert_eq!(drain(&mut work, now + PAUSE * 2), (vec![1, 2], vec![]));
+    }
+
+    #[test]
+    fn a_drained_unit_is_bounded_and_what_it_did_not_run_goes_back_in_front() {
+        let now = Instant::now();
+        let a = Bytes::from_static(b"a");
+        let mut work = WorkQueue::new(true, false, Gating::Hold, 2, 2, limits(100));
+        work.gate_key(&a);
+        work.push_fetched((0..5).map(|o| record("a", o)).collect());
+        assert_eq!(drain(&mut work, now), (vec![], vec![]));
+        let mut unit = None;
+        work.ungate_key_into(&a, &mut unit);
+        let unit = unit.expect("a's held records");
+        assert_eq!(offsets(&unit), vec![0, 1], "max_batch_records at most");
+        assert_eq!(work.held(), 3);
+        // Record 0 failed again: a is back on the retry path, 1 waits in
+        // front of what the gate still holds.
+        work.gate_key(&a);
+        work.finish_drained(&unit.drains, unit.records[1..].to_vec());
+        assert_eq!((work.held(), work.queued()), (4, 0));
+        work.ungate_key(&a);
+        assert_eq!(drain(&mut work, now), (vec![1, 2, 3, 4], vec![]));
+    }
+
+    #[test]
+    fn with_ranges_an_opening_key_makes_no_unit() {
+        let a = Bytes::from_static(b"a");
+        let mut work = WorkQueue::new(false, false, Gating::Hold, 1, 10, limits(100));
+        work.gate_key(&a);
+        let mut unit = None;
+        work.ungate_key_into(&a, &mut unit);
+        assert!(unit.is_none());
+        // Open: a's next record runs rather than parks.
+        work.push_fetched(vec![record("a", 0)]);
+        assert_eq!(drain(&mut work, Instant::now()), (vec![0], vec![]));
+    }
+
+    #[test]
+    fn a_lane_units_records_of_a_key_gated_as_it_came_back_wait_at_the_gate() {
+        let now = Instant::now();
+        let a = Bytes::from_static(b"a");
+        let other = key_in_another_lane("a", lane_count(false, 2));
+        let mut work = WorkQueue::new(true, false, Gating::Hold, 2, 500, limits(100));
+        // 16 queued: a unit takes 16 / (T × 4) = 2 of them.
+        work.push_fetched((0..16).map(|o| record("a", o)).collect());
+        let unit = work.take_unit(now).expect("a unit");
+        assert_eq!(offsets(&unit), vec![0, 1]);
+        // Record 0 failed: a is gated and 1 comes back with another key's record.
+        work.gate_key(&a);
+        work.give_back(unit.lane, vec![unit.records[1].clone(), record(&other, 99)]);
+        assert_eq!((work.held(), work.queued()), (1, 15));
+        let mut drained = None;
+        work.ungate_key_into(&a, &mut drained);
+        assert_eq!(offsets(&drained.expect("the held record")), vec![1]);
+    }
+
     /// Takes every unit (giving each back done): offsets in order taken, and those to park.
     fn drain(work: &mut WorkQueue, now: Instant) -> (Vec<u64>, Vec<u64>) {
         let (mut taken, mut parked) = (Vec::new(), Vec::new());
@@ -873,6 +1079,208 @@ mod tests {
                 work.give_back(lane, Vec::new());
             }
             assert_eq!(parked, vec![0], "lanes: {lanes}");
+        }
+    }
+
+    // ---- the model-based property test of the key gate (`key` order) ----
+
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    #[derive(Debug, Clone)]
+    enum GateOp {
+        /// Records of these keys (of three) arrive.
+        Fetch(Vec<u8>),
+        Take,
+        /// A running unit completes; `true`: its first record of a key fails.
+        Finish(usize, bool),
+        /// The earliest entry of one key on the retry path reaches its final
+        /// outcome; `true`: its key's held records may go into a unit.
+        Retry(usize, bool),
+    }
+
+    fn gate_op() -> impl Strategy<Value = GateOp> {
+        prop_oneof![
+            3 => proptest::collection::vec(0u8..3, 1..6).prop_map(GateOp::Fetch),
+            4 => Just(GateOp::Take),
+            4 => (0usize..4, proptest::bool::weighted(0.3)).prop_map(|(u, f)| GateOp::Finish(u, f)),
+            3 => (0usize..3, any::<bool>()).prop_map(|(k, d)| GateOp::Retry(k, d)),
+        ]
+    }
+
+    /// The runtime's side of the gate: units running, entries on the retry
+    /// path, and the order each key's records ran in.
+    struct GateModel {
+        work: WorkQueue,
+        next_offset: u64,
+        running: Vec<WorkUnit>,
+        /// Per key, its records on the retry path (failed or parked), in order.
+        retry_path: BTreeMap<Bytes, VecDeque<u64>>,
+        ran: BTreeMap<Bytes, Vec<u64>>,
+    }
+
+    impl GateModel {
+        fn key_of(k: u8) -> Bytes {
+            Bytes::from(format!("key-{k}"))
+        }
+
+        /// Keys of the records running units run (not those they park).
+        fn running_keys(&self) -> KeySet {
+            self.running
+                .iter()
+                .flat_map(|u| {
+                    u.records
+                        .iter()
+                        .enumerate()
+                        .filter(|&(i, _)| !u.parks(i))
+                        .filter_map(|(_, r)| r.key.clone())
+                })
+                .collect()
+        }
+
+        fn start(&mut self, unit: WorkUnit) {
+            let busy = self.running_keys();
+            for (i, record) in unit.records.iter().enumerate() {
+                let key = record.key.as_ref().expect("keyed");
+                assert!(
+                    unit.parks(i) || !busy.contains(key),
+                    "two units of one key at once"
+                );
+                assert!(
+                    unit.parks(i) || self.retry_path.get(key).is_none_or(VecDeque::is_empty),
+                    "a record of a key with a record on the retry path runs"
+                );
+            }
+            self.running.push(unit);
+        }
+
+        fn ran(&mut self, key: &Bytes, offset: u64) {
+            let ran = self.ran.entry(key.clone()).or_default();
+            assert!(
+                ran.last().is_none_or(|&last| last < offset),
+                "{key:?}: {offset} after {ran:?}"
+            );
+            ran.push(offset);
+        }
+
+        /// As `process::run_unit` does in `key` order: parked records and a
+        /// failed record go on the retry path, the failed key's later records
+        /// come back, the rest run.
+        fn finish(&mut self, index: usize, fail: bool) {
+            let unit = self.running.remove(index);
+            let mut failed: Option<Bytes> = None;
+            let mut returned = Vec::new();
+            let mut newly_on_path = Vec::new();
+            for (i, record) in unit.records.iter().enumerate() {
+                let key = record.key.clone().expect("keyed");
+                if failed.as_ref() == Some(&key) {
+                    returned.push(record.clone());
+                } else if unit.parks(i) || (fail && failed.is_none()) {
+                    failed = failed.or_else(|| (!unit.parks(i)).then(|| key.clone()));
+                    newly_on_path.push((key, record.offset));
+                } else {
+                    self.ran(&key, record.offset);
+                }
+            }
+            for (key, offset) in newly_on_path {
+                self.work.gate_key(&key);
+                self.retry_path.entry(key).or_default().push_back(offset);
+            }
+            if unit.drains_held() {
+                self.work.finish_drained(&unit.drains, returned);
+            } else {
+                self.work.give_back(unit.lane, returned);
+            }
+        }
+
+        fn retry(&mut self, k: u8, drain: bool) {
+            let key = Self::key_of(k);
+            let Some(offset) = self.retry_path.get_mut(&key).and_then(VecDeque::pop_front) else {
+                return;
+            };
+            assert!(
+                !self.running_keys().contains(&key),
+                "a retry of {key:?} runs beside a unit of its records"
+            );
+            self.ran(&key, offset);
+            if drain {
+                let mut unit = None;
+                self.work.ungate_key_into(&key, &mut unit);
+                if let Some(unit) = unit {
+                    assert_eq!(unit.drains, vec![key.clone()]);
+                    self.start(unit);
+                }
+            } else {
+                self.work.ungate_key(&key);
+            }
+        }
+    }
+
+    proptest! {
+        /// Whatever the interleaving: every record runs exactly once, a key's
+        /// records run in offset order and never two at once, and none runs
+        /// while a record of its key is on the retry path.
+        #[test]
+        fn the_gate_keeps_each_keys_records_in_order_and_loses_none(
+            ops in proptest::collection::vec(gate_op(), 1..120),
+            budget in 0usize..6,
+        ) {
+            let now = Instant::now();
+            let mut model = GateModel {
+                work: WorkQueue::new(true, false, Gating::Hold, 2, 4, limits(budget)),
+                next_offset: 0,
+                running: Vec::new(),
+                retry_path: BTreeMap::new(),
+                ran: BTreeMap::new(),
+            };
+            let mut clock = now;
+            for op in ops {
+                // Time moves, so pauses run out into parking as well.
+                clock += PAUSE / 4;
+                match op {
+                    GateOp::Fetch(keys) => {
+                        let records = keys
+                            .iter()
+                            .map(|&k| {
+                                model.next_offset += 1;
+                                record(&format!("key-{k}"), model.next_offset - 1)
+                            })
+                            .collect();
+                        model.work.push_fetched(records);
+                    }
+                    GateOp::Take => {
+                        if model.running.len() < 2 && let Some(unit) = model.work.take_unit(clock) {
+                            model.start(unit);
+                        }
+                    }
+                    GateOp::Finish(i, fail) => {
+                        if !model.running.is_empty() {
+                            model.finish(i % model.running.len(), fail);
+                        }
+                    }
+                    GateOp::Retry(k, drain) => model.retry(k as u8, drain),
+                }
+            }
+            // Everything settles: units finish, retries succeed, the rest runs.
+            loop {
+                if let Some(i) = (!model.running.is_empty()).then_some(0) {
+                    model.finish(i, false);
+                } else if let Some(k) = (0..3).find(|&k| {
+                    model.retry_path.get(&GateModel::key_of(k)).is_some_and(|q| !q.is_empty())
+                }) {
+                    model.retry(k, true);
+                } else if let Some(unit) = model.work.take_unit(clock) {
+                    model.start(unit);
+                } else {
+                    break;
+                }
+                clock += PAUSE;
+            }
+            prop_assert_eq!(model.work.held(), 0);
+            prop_assert_eq!(model.work.queued(), 0);
+            let mut all: Vec<u64> = model.ran.values().flatten().copied().collect();
+            all.sort_unstable();
+            prop_assert_eq!(all, (0..model.next_offset).collect::<Vec<_>>());
         }
     }
 }

@@ -94,6 +94,7 @@ fn processed(context: &UnitContext, records: &[Record]) -> Vec<RecordOutcome> {
 fn done(context: &UnitContext, unit: &WorkUnit) -> UnitDone {
     UnitDone {
         lane: unit.lane,
+        drains: unit.drains.clone(),
         outcomes: processed(context, &unit.records),
         returned: Vec::new(),
         retry_keys: Vec::new(),
@@ -272,6 +273,7 @@ fn a_retry_never_runs_before_its_first_outcome_is_published() {
         task,
         UnitDone {
             lane: unit.lane,
+            drains: unit.drains.clone(),
             outcomes: failed,
             returned: Vec::new(),
             retry_keys,
@@ -297,6 +299,7 @@ fn key_order_holds_a_failed_keys_later_records_until_its_retry_is_final() {
         task,
         UnitDone {
             lane: unit.lane,
+            drains: unit.drains.clone(),
             outcomes: failed,
             returned: Vec::new(),
             retry_keys: vec![Bytes::from_static(b"k")],
@@ -318,15 +321,129 @@ fn key_order_holds_a_failed_keys_later_records_until_its_retry_is_final() {
         1,
         "held records are not completed"
     );
-    // The retry of offset 0 succeeds: k opens and its held records run, in order.
-    retry_succeeds(&mut s, 1, task, failed_item(&first[0], 0), now);
+    // The retry of offset 0 succeeds: the thread that ran it runs k's held
+    // records next, in order, without a pick.
+    let (unit, context) = retry_succeeds(&mut s, 1, task, failed_item(&first[0], 0), now)
+        .expect("k's held records, for thread 1");
+    assert_eq!(offsets(&unit), vec![1, 2]);
+    assert!(unit.park.is_empty());
+    assert_eq!(s.task(task).unwrap().held(), 0);
+    // While they run, k stays gated: a later record of it is held, not handed out.
+    let log = [log, vec![record(0, 3, "k")]].concat();
+    s.notify_append(task, true, 0);
+    for _ in 0..4 {
+        assert!(
+            pick_unit(&mut s, 0, &log, now).is_none(),
+            "k's earlier records are running"
+        );
+    }
+    assert_eq!(s.task(task).unwrap().held(), 1);
+    let _ = s.finish_unit(1, task, done(&context, &unit));
+    assert_eq!(s.task(task).unwrap().watermark(), 3);
+    // Back: k opens, and what it held meanwhile runs.
+    let (task, unit, context) = first_unit(&mut s, 0, &log, now);
+    assert_eq!(offsets(&unit), vec![3]);
+    let _ = s.finish_unit(0, task, done(&context, &unit));
+    assert_eq!(s.task(task).unwrap().watermark(), 4);
+}
+
+fn offsets(unit: &WorkUnit) -> Vec<u64> {
+    unit.records.iter().map(|r| r.offset).collect()
+}
+
+/// Fails `unit`'s first record (retrying, its key gated) and hands the rest
+/// back untouched, as a unit whose key failed does in `key` order.
+fn fail_first(s: &mut Scheduler, thread: usize, task: usize, unit: &WorkUnit, context: &UnitContext) {
+    let mut outcomes = processed(context, &unit.records[..1]);
+    outcomes[0].outcome = Outcome::Retrying;
+    let _ = s.finish_unit(
+        thread,
+        task,
+        UnitDone {
+            lane: unit.lane,
+            drains: unit.drains.clone(),
+            outcomes,
+            returned: unit.records[1..].to_vec(),
+            retry_keys: unit.records[0].key.iter().cloned().collect(),
+            outputs: Vec::new(),
+        },
+    );
+}
+
+#[test]
+fn a_failed_keys_returned_records_wait_at_the_gate_and_run_after_its_retry() {
+    let now = Instant::now();
+    let mut s = one_task(2, ProcessingOrder::Key, 2, 10, now);
+    // 24 queued: a unit takes 24 / (T × 4) = 3 of them.
+    let log: Vec<Record> = (0..24).map(|o| record(0, o, "k")).collect();
+    let (task, unit, context) = first_unit(&mut s, 0, &log, now);
+    assert_eq!(offsets(&unit), vec![0, 1, 2]);
+    fail_first(&mut s, 0, task, &unit, &context);
+    // Records 1 and 2 went straight to the gate, not back to their lane.
+    assert_eq!(s.task(task).unwrap().held(), 2);
+    // The retry succeeds: the unit of held records has them first, then
+    // what the gate took from the lane since, in offset order, up to
+    // `max_batch_records` (10).
+    let (unit, context) =
+        retry_succeeds(&mut s, 1, task, failed_item(&log[0], 0), now).expect("the held records");
+    assert_eq!(offsets(&unit), (1..=10).collect::<Vec<_>>());
+    // Its first record fails again: the rest goes back in front of what the
+    // gate took meanwhile, and the key stays gated.
+    let log = [log, vec![record(0, 24, "k")]].concat();
+    s.notify_append(task, true, 0);
+    for _ in 0..4 {
+        assert!(pick_unit(&mut s, 0, &log, now).is_none(), "k is gated: held");
+    }
+    fail_first(&mut s, 1, task, &unit, &context);
+    assert_eq!(
+        s.task(task).unwrap().held(),
+        23,
+        "2..=24 wait behind the retry of 1"
+    );
+    let (unit, context) =
+        retry_succeeds(&mut s, 1, task, failed_item(&log[1], 1), now).expect("the held records");
+    assert_eq!(offsets(&unit), (2..=11).collect::<Vec<_>>(), "in offset order");
+    let _ = s.finish_unit(1, task, done(&context, &unit));
+    // k opened: what did not fit in the unit goes to its lane, in order.
+    assert_eq!(s.task(task).unwrap().held(), 0);
     let mut ran = Vec::new();
     while let Some((task, unit, context)) = pick_unit(&mut s, 0, &log, now) {
-        assert!(unit.park.is_empty());
-        ran.extend(unit.records.iter().map(|r| r.offset));
+        ran.extend(offsets(&unit));
         let _ = s.finish_unit(0, task, done(&context, &unit));
     }
-    assert_eq!(ran, vec![1, 2], "released, in order");
+    assert_eq!(ran, (12..=24).collect::<Vec<_>>());
+    assert_eq!(s.task(task).unwrap().watermark(), 25);
+}
+
+#[test]
+fn without_room_for_another_unit_held_records_go_back_to_their_lane() {
+    let now = Instant::now();
+    // T = 2 and three threads: two units run while the third runs the retry.
+    let mut s = one_task(3, ProcessingOrder::Key, 2, 1, now);
+    let keys = ["k", "k", "k", "a", "b", "c", "d"];
+    let log: Vec<Record> = (0..7).map(|o| record(0, o, keys[o as usize])).collect();
+    // Units of one record; k's lane is the longest, so it goes first.
+    let (task, unit, context) = first_unit(&mut s, 0, &log, now);
+    assert_eq!(offsets(&unit), vec![0]);
+    fail_first(&mut s, 0, task, &unit, &context);
+    let busy: Vec<_> = (0..2)
+        .map(|thread| first_unit(&mut s, thread, &log, now))
+        .collect();
+    assert_eq!(s.task(task).unwrap().held(), 2, "k's lane was cut: 1 and 2 held");
+    assert_eq!(s.task(task).unwrap().active(), 2);
+    let next = retry_succeeds(&mut s, 2, task, failed_item(&log[0], 0), now);
+    assert!(next.is_none(), "the task has T units running");
+    assert_eq!(s.task(task).unwrap().held(), 0, "back to the lane");
+    for (thread, (task, unit, context)) in busy.into_iter().enumerate() {
+        let _ = s.finish_unit(thread, task, done(&context, &unit));
+    }
+    let mut ran = Vec::new();
+    while let Some((task, unit, context)) = pick_unit(&mut s, 0, &log, now) {
+        ran.extend(offsets(&unit));
+        let _ = s.finish_unit(0, task, done(&context, &unit));
+    }
+    let of_k: Vec<u64> = ran.iter().copied().filter(|&o| o < 3).collect();
+    assert_eq!(of_k, vec![1, 2], "k's records ran once each, in order");
 }
 
 #[test]
@@ -426,6 +543,7 @@ fn a_unit_is_cut_short_by_time_and_the_rest_runs_next_in_order() {
         task,
         UnitDone {
             lane: unit.lane,
+            drains: unit.drains.clone(),
             outcomes: processed(&context, ran),
             returned: rest.to_vec(),
             retry_keys: Vec::new(),
@@ -454,7 +572,14 @@ fn failed_item(record: &Record, retry_offset: u64) -> RetryItem {
 }
 
 /// Thread `thread` reads `item` from the retry topic, runs it and succeeds.
-fn retry_succeeds(s: &mut Scheduler, thread: usize, task: usize, item: RetryItem, now: Instant) {
+/// Answers the unit of held records the thread is to run next, if any.
+fn retry_succeeds(
+    s: &mut Scheduler,
+    thread: usize,
+    task: usize,
+    item: RetryItem,
+    now: Instant,
+) -> Option<(WorkUnit, UnitContext)> {
     s.notify_append(task, false, 0);
     let mut item = Some(item);
     for _ in 0..10 {
@@ -471,7 +596,7 @@ fn retry_succeeds(s: &mut Scheduler, thread: usize, task: usize, item: RetryItem
                     .iter()
                     .map(|i| processed(&context, std::slice::from_ref(&i.record))[0].clone())
                     .collect();
-                let _ = s.finish_retries(
+                let (_, next) = s.finish_retries(
                     thread,
                     task,
                     RetriesDone {
@@ -481,7 +606,7 @@ fn retry_succeeds(s: &mut Scheduler, thread: usize, task: usize, item: RetryItem
                         outputs: Vec::new(),
                     },
                 );
-                return;
+                return next;
             }
             Pick::Fetch { task, generation, .. } => {
                 s.finish_fetch(thread, task, generation, Ok(Vec::new()), now)
@@ -649,6 +774,7 @@ impl Model {
                     task,
                     UnitDone {
                         lane: unit.lane,
+                        drains: unit.drains.clone(),
                         outcomes: processed(&context, done_records),
                         returned: rest.to_vec(),
                         retry_keys: Vec::new(),

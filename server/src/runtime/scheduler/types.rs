@@ -197,6 +197,8 @@ pub(crate) enum Pick {
 /// A unit as it came back from its thread.
 pub(crate) struct UnitDone {
     pub(crate) lane: Option<usize>,
+    /// The unit's `drains`: keys whose held records it ran.
+    pub(crate) drains: Vec<Bytes>,
     /// The records it completed, in processing order.
     pub(crate) outcomes: Vec<RecordOutcome>,
     /// Records it did not run (time limit, or a key that failed before them in `key` order).
