@@ -333,13 +333,28 @@ impl RetryQueue {
         // runs under the scheduler's lock.
         let mut picked: Vec<(usize, u64)> = Vec::new();
         let mut run_lengths: Vec<usize> = Vec::new();
-        // Sized for the scan at once: grown from empty it rehashed on every
-        // pick that found an item due.
+        // Only items up to the last due one can run or hold one back (a key's
+        // items run in retry-offset order): the scan ends there, not at the
+        // end of the queue, where items appended since wait out their backoff.
+        let (due_count, last_due) = self
+            .due_order
+            .range(..=(now_ms, u64::MAX))
+            .fold((0, 0), |(count, last), &(_, offset)| {
+                (count + 1, last.max(offset))
+            });
+        // Sized for the scan at once (about the due items): grown from empty
+        // it rehashed on every pick that found an item due.
         let mut keys: foldhash::HashMap<&Bytes, KeyRun> =
-            foldhash::HashMap::with_capacity_and_hasher(self.waiting.len().min(SCAN_MAX), Default::default());
-        let mut next_due = i64::MAX;
+            foldhash::HashMap::with_capacity_and_hasher(due_count.min(SCAN_MAX), Default::default());
+        // What the scan leaves out is not due yet: the earliest of it bounds
+        // when anything can run, as the scanned items do.
+        let mut next_due = self
+            .due_order
+            .range((now_ms.saturating_add(1), 0)..)
+            .next()
+            .map_or(i64::MAX, |&(due, _)| due);
         let mut held_back = false;
-        for (&offset, item) in self.waiting.iter().take(SCAN_MAX) {
+        for (&offset, item) in self.waiting.range(..=last_due).take(SCAN_MAX) {
             let released = may_run(item.record.offset);
             held_back |= !released;
             let due = item.due_ms <= now_ms && released;
@@ -621,5 +636,130 @@ mod tests {
         assert_eq!(queue.commit_positions(501), (4, vec![]));
         queue.mark_committed(2, 1);
         assert_eq!(queue.commit_positions(400), (2, vec![3]));
+    }
+
+    // ---- the model-based property test of `take_due` ----
+
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum QueueOp {
+        /// Entries of these (key, backoff ms) are read from the retry topic.
+        Read(Vec<(u8, i64)>),
+        /// Time moves on this many ms.
+        Wait(i64),
+        Take,
+        /// A unit in progress comes back; `true`: its first item fails again.
+        Finish(usize, bool),
+    }
+
+    fn queue_op() -> impl Strategy<Value = QueueOp> {
+        prop_oneof![
+            2 => proptest::collection::vec((0u8..3, 0i64..20), 1..5).prop_map(QueueOp::Read),
+            2 => (0i64..15).prop_map(QueueOp::Wait),
+            4 => Just(QueueOp::Take),
+            3 => (0usize..3, proptest::bool::weighted(0.3)).prop_map(|(u, f)| QueueOp::Finish(u, f)),
+        ]
+    }
+
+    proptest! {
+        /// Keyed: an item is taken only when due, at the head of its key's
+        /// items and with no unit of its key in progress; and whenever some
+        /// item is all of that, a take finds work (the not-due cache never
+        /// hides it). Every entry reaches its final outcome exactly once.
+        #[test]
+        fn take_due_takes_exactly_the_items_that_may_run(ops in proptest::collection::vec(queue_op(), 1..80)) {
+            let mut queue = RetryQueue::new(0, true, 1_000, vec![]);
+            let mut now = 0i64;
+            let mut read = 0u64;
+            let mut units: Vec<Vec<RetryItem>> = Vec::new();
+            let mut finished: Vec<u64> = Vec::new();
+            // The model: retry offset -> (key, due) of every entry waiting.
+            let mut waiting: BTreeMap<u64, (Bytes, i64)> = BTreeMap::new();
+            let runnable = |waiting: &BTreeMap<u64, (Bytes, i64)>, units: &[Vec<RetryItem>], now: i64| {
+                waiting.iter().any(|(&offset, (key, due))| {
+                    *due <= now
+                        && !waiting.range(..offset).any(|(_, (k, _))| k == key)
+                        && !units.iter().flatten().any(|i| i.record.key.as_ref() == Some(key))
+                })
+            };
+            for op in ops.into_iter().chain(std::iter::repeat_n(QueueOp::Wait(10), 3)) {
+                match op {
+                    QueueOp::Read(entries) => {
+                        let items: Vec<RetryItem> = entries
+                            .iter()
+                            .enumerate()
+                            .map(|(i, &(k, backoff))| item(&format!("k{k}"), read + i as u64, now + backoff))
+                            .collect();
+                        read += items.len() as u64;
+                        for i in &items {
+                            waiting.insert(i.retry_offset, (i.record.key.clone().expect("keyed"), i.due_ms));
+                        }
+                        queue.add_fetched(items);
+                    }
+                    QueueOp::Wait(ms) => now += ms,
+                    QueueOp::Take => {
+                        let expect_work = runnable(&waiting, &units, now);
+                        let taken = queue.take_due(now, |_| true);
+                        prop_assert_eq!(!taken.is_empty(), expect_work, "at {}", now);
+                        for i in &taken {
+                            let key = i.record.key.clone().expect("keyed");
+                            prop_assert!(i.due_ms <= now);
+                            prop_assert!(
+                                !waiting.range(..i.retry_offset).any(|(&o, (k, _))| *k == key && !taken.iter().any(|t| t.retry_offset == o)),
+                                "{} taken before an earlier item of its key", i.retry_offset
+                            );
+                            prop_assert!(!units.iter().flatten().any(|u| u.record.key.as_ref() == Some(&key)));
+                        }
+                        for i in &taken {
+                            waiting.remove(&i.retry_offset);
+                        }
+                        if !taken.is_empty() {
+                            units.push(taken);
+                        }
+                    }
+                    QueueOp::Finish(u, fail) => {
+                        if units.is_empty() {
+                            continue;
+                        }
+                        let mut unit = units.remove(u % units.len());
+                        let mut again = Vec::new();
+                        if fail {
+                            // Failed again: it and the rest of its key's run wait again.
+                            let mut first = unit.remove(0);
+                            first.due_ms = now + 5;
+                            again.push(first);
+                            again.append(&mut unit);
+                        }
+                        for i in &again {
+                            waiting.insert(i.retry_offset, (i.record.key.clone().expect("keyed"), i.due_ms));
+                        }
+                        let done: Vec<(u64, u64, Option<Bytes>)> = unit
+                            .iter()
+                            .map(|i| (i.retry_offset, i.record.offset, i.record.key.clone()))
+                            .collect();
+                        finished.extend(done.iter().map(|d| d.0));
+                        queue.complete(&done, again);
+                    }
+                }
+            }
+            // Everything settles.
+            loop {
+                now += 100;
+                for unit in std::mem::take(&mut units) {
+                    let done: Vec<_> = unit.iter().map(|i| (i.retry_offset, i.record.offset, i.record.key.clone())).collect();
+                    finished.extend(done.iter().map(|d| d.0));
+                    queue.complete(&done, Vec::new());
+                }
+                let taken = queue.take_due(now, |_| true);
+                if taken.is_empty() {
+                    break;
+                }
+                units.push(taken);
+            }
+            finished.sort_unstable();
+            prop_assert_eq!(finished, (0..read).collect::<Vec<_>>());
+            prop_assert_eq!(queue.watermark(), read);
+        }
     }
 }
