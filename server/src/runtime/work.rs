@@ -5,7 +5,8 @@
 //! unit at a time), so records of one key never run at once and run in offset
 //! order. The key gate lives here too: keys with a record on the retry path,
 //! whose later records wait behind it — parked on the retry topic, or, in
-//! `key` order, held here in memory up to a budget (see [`HoldLimits`]).
+//! `key` order, held here in memory up to a budget (see [`HoldLimits`]) and
+//! run by the thread that ran the key's last retry, right after it.
 //!
 //! Over 600 lines (about 660 before its tests): lanes, units and the gate
 //! change together — a record moves between a lane, the gate and a unit in

@@ -140,6 +140,13 @@ fn pick_unit(
     }
 }
 
+/// Picks for `thread` a few times (serving fetches from `log`): no unit comes.
+fn no_unit_for(s: &mut Scheduler, thread: usize, log: &[Record], now: Instant, why: &str) {
+    for _ in 0..4 {
+        assert!(pick_unit(s, thread, log, now).is_none(), "{why}");
+    }
+}
+
 /// Picks for `thread` until it gets a unit (fetches are served on the way).
 fn first_unit(
     s: &mut Scheduler,
@@ -309,12 +316,7 @@ fn key_order_holds_a_failed_keys_later_records_until_its_retry_is_final() {
     // Two more records of `k` arrive: held, not handed out, not parked.
     let log = vec![record(0, 0, "k"), record(0, 1, "k"), record(0, 2, "k")];
     s.notify_append(task, true, 0);
-    for _ in 0..4 {
-        assert!(
-            pick_unit(&mut s, 0, &log, now).is_none(),
-            "held while k is on the retry path"
-        );
-    }
+    no_unit_for(&mut s, 0, &log, now, "held while k is on the retry path");
     assert_eq!(s.task(task).unwrap().held(), 2);
     assert_eq!(
         s.task(task).unwrap().watermark(),
@@ -331,12 +333,7 @@ fn key_order_holds_a_failed_keys_later_records_until_its_retry_is_final() {
     // While they run, k stays gated: a later record of it is held, not handed out.
     let log = [log, vec![record(0, 3, "k")]].concat();
     s.notify_append(task, true, 0);
-    for _ in 0..4 {
-        assert!(
-            pick_unit(&mut s, 0, &log, now).is_none(),
-            "k's earlier records are running"
-        );
-    }
+    no_unit_for(&mut s, 0, &log, now, "k's earlier records are running");
     assert_eq!(s.task(task).unwrap().held(), 1);
     let _ = s.finish_unit(1, task, done(&context, &unit));
     assert_eq!(s.task(task).unwrap().watermark(), 3);
@@ -391,9 +388,7 @@ fn a_failed_keys_returned_records_wait_at_the_gate_and_run_after_its_retry() {
     // gate took meanwhile, and the key stays gated.
     let log = [log, vec![record(0, 24, "k")]].concat();
     s.notify_append(task, true, 0);
-    for _ in 0..4 {
-        assert!(pick_unit(&mut s, 0, &log, now).is_none(), "k is gated: held");
-    }
+    no_unit_for(&mut s, 0, &log, now, "k is gated: held");
     fail_first(&mut s, 1, task, &unit, &context);
     assert_eq!(
         s.task(task).unwrap().held(),
