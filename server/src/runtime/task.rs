@@ -528,11 +528,7 @@ impl Task {
     /// A unit's thread died holding it: every record goes back, unchanged.
     pub(crate) fn return_unit(&mut self, unit: WorkUnit) {
         self.active -= 1;
-        if unit.drains_held() {
-            self.work.finish_drained(&unit.drains, unit.records);
-        } else {
-            self.work.give_back(unit.lane, unit.records);
-        }
+        self.work.take_back(unit.lane, &unit.drains, unit.records);
     }
 
     /// A unit came back: outcomes of the records it completed, records it
@@ -557,11 +553,7 @@ impl Task {
         for key in &retry_keys {
             self.work.gate_key(key);
         }
-        if drains.is_empty() {
-            self.work.give_back(lane, returned);
-        } else {
-            self.work.finish_drained(&drains, returned);
-        }
+        self.work.take_back(lane, &drains, returned);
         self.count(&outcomes);
         let released = if self.held_release {
             let mut released = Vec::new();

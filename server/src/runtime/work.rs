@@ -153,11 +153,6 @@ impl WorkUnit {
     pub(crate) fn key_hash(&self, index: usize) -> Option<Option<u32>> {
         self.key_hashes.get(index).copied()
     }
-
-    /// Whether it runs records held behind keys' retries (see `drains`).
-    pub(crate) fn drains_held(&self) -> bool {
-        !self.drains.is_empty()
-    }
 }
 
 /// `key` order: records of the keys that hash to this lane, in offset order.
@@ -527,6 +522,17 @@ impl WorkQueue {
                 .collect();
         }
         Some(unit)
+    }
+
+    /// Takes back what a unit did not run (all of it if its thread died): to
+    /// the gate if the unit ran held records (`drains`, see `finish_drained`),
+    /// else to its lane or ranges (`give_back`).
+    pub(crate) fn take_back(&mut self, lane: Option<usize>, drains: &[Bytes], returned: Vec<Record>) {
+        if drains.is_empty() {
+            self.give_back(lane, returned);
+        } else {
+            self.finish_drained(drains, returned);
+        }
     }
 
     /// Takes a unit back: its thread died (`returned` is the whole unit) or
@@ -1187,11 +1193,7 @@ mod tests {
                 self.work.gate_key(&key);
                 self.retry_path.entry(key).or_default().push_back(offset);
             }
-            if unit.drains_held() {
-                self.work.finish_drained(&unit.drains, returned);
-            } else {
-                self.work.give_back(unit.lane, returned);
-            }
+            self.work.take_back(unit.lane, &unit.drains, returned);
         }
 
         fn retry(&mut self, k: u8, drain: bool) {
