@@ -217,12 +217,13 @@ fn run_unit(shared: &Shared, me: usize, task: usize, unit: WorkUnit, context: Un
     );
     let sink = context.sink.clone();
     drop(context);
-    let commit = {
+    let (commit, retired) = {
         let mut scheduler = shared.lock();
         let commit = scheduler.finish_unit(me, task, done);
         shared.wake_waiters(&scheduler);
-        commit
+        (commit, scheduler.take_retired(task))
     };
+    drop(retired);
     guard.done();
     drain_sink(shared, sink.as_deref());
     if let Some(item) = commit {
@@ -252,6 +253,12 @@ fn read(shared: &Shared, topic: &str, partition: u32, from: u64, max: usize) -> 
             Err(())
         }
     }
+}
+
+/// What a fetch read, ready for the scheduler.
+enum Fetched {
+    Records(Result<Vec<Record>, ()>),
+    Retries(Result<Vec<RetryItem>, ()>),
 }
 
 /// Which partition of a task a fetch reads.
@@ -289,19 +296,23 @@ fn fetch(
     };
     let records = read(shared, topic, context.partition, from, max);
     drop(context);
-    let mut scheduler = shared.lock();
-    match source {
-        Source::Records => scheduler.finish_fetch(me, task, generation, records, Instant::now()),
+    // Decoded before the lock is taken: every other thread waits while it is held.
+    let fetched = match source {
+        Source::Records => Fetched::Records(records),
         Source::Retries => {
             let now_ms = process::now_ms();
-            let items = records.map(|records| {
+            Fetched::Retries(records.map(|records| {
                 records
                     .into_iter()
                     .map(|r| retry::decode(r, now_ms, |attempts, seed| shared.backoff(attempts, seed)))
                     .collect()
-            });
-            scheduler.finish_retry_fetch(me, task, generation, items);
+            }))
         }
+    };
+    let mut scheduler = shared.lock();
+    match fetched {
+        Fetched::Records(records) => scheduler.finish_fetch(me, task, generation, records, Instant::now()),
+        Fetched::Retries(items) => scheduler.finish_retry_fetch(me, task, generation, items),
     }
     shared.wake_waiters(&scheduler);
     drop(scheduler);
@@ -324,14 +335,15 @@ fn run_retries(shared: &Shared, me: usize, task: usize, items: Vec<RetryItem>, c
     context.count_busy(BusyRole::Retry, started.elapsed());
     let sink = context.sink.clone();
     drop(context);
-    let (commit, next) = {
+    let ((commit, next), retired) = {
         let mut scheduler = shared.lock();
         let finished = scheduler.finish_retries(me, task, done);
         // Finished retries open keys and may free held records: wake
         // helpers, if any wait (a wake-up costs a system call even then).
         shared.wake_waiters(&scheduler);
-        finished
+        (finished, scheduler.take_retired(task))
     };
+    drop(retired);
     guard.done();
     // The records held behind the keys that opened run here and now, first:
     // until `run_unit` guards them, nothing else would give them back.

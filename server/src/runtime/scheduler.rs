@@ -625,6 +625,16 @@ impl Scheduler {
         self.commit_if_ready(t)
     }
 
+    /// Outcome batches task `t`'s history let go since the last call: the
+    /// caller drops them once it has let go of the lock (see `History`).
+    pub(crate) fn take_retired(&mut self, t: usize) -> Vec<Arc<OutcomeBatch>> {
+        self.tasks
+            .get_mut(t)
+            .and_then(Option::as_mut)
+            .map(Task::take_retired)
+            .unwrap_or_default()
+    }
+
     /// The thread holding a unit died: the unit goes back whole.
     pub(crate) fn return_unit(&mut self, me: usize, t: usize, unit: WorkUnit) {
         self.release_lease(me, Lease::Unit(t));

@@ -54,6 +54,10 @@ pub enum SubscriptionEvent {
     },
 }
 
+/// Evicted batches a history keeps for `History::take_retired` at most;
+/// past this it drops the oldest itself.
+const MAX_RETIRED: usize = 64;
+
 /// Retained outcome batches of one task, oldest first, bounded by record count.
 pub(crate) struct History {
     batches: VecDeque<Arc<OutcomeBatch>>,
@@ -61,6 +65,12 @@ pub(crate) struct History {
     limit: usize,
     /// Every completed record at or above this offset is still retained.
     floor: u64,
+    /// Evicted batches not dropped yet. The history is kept under the
+    /// scheduler's lock and usually holds a batch's last reference: dropping
+    /// it frees every outcome's key, work no thread waiting for that lock
+    /// should wait for. Whoever publishes takes them and drops them after
+    /// the lock (`take_retired`).
+    retired: Vec<Arc<OutcomeBatch>>,
 }
 
 impl History {
@@ -70,6 +80,7 @@ impl History {
             records: 0,
             limit,
             floor,
+            retired: Vec::new(),
         }
     }
 
@@ -82,7 +93,17 @@ impl History {
             };
             self.records -= evicted.records.len();
             self.floor = self.floor.max(evicted.last_offset + 1);
+            if self.retired.len() == MAX_RETIRED {
+                // Nobody took them: a bound on what waits, not the usual path.
+                self.retired.remove(0);
+            }
+            self.retired.push(evicted);
         }
+    }
+
+    /// The batches evicted since the last call, for the caller to drop.
+    pub(crate) fn take_retired(&mut self) -> Vec<Arc<OutcomeBatch>> {
+        std::mem::take(&mut self.retired)
     }
 
     pub(crate) fn floor(&self) -> u64 {
@@ -369,6 +390,49 @@ mod tests {
         let subscription =
             OutcomeSubscription::new(vec![range], history, receiver, Box::new(|_| None), Arc::from("p"));
         (subscription, feed)
+    }
+
+    #[test]
+    fn evicted_batches_wait_to_be_dropped_by_whoever_takes_them_and_their_wait_is_bounded() {
+        let mut history = History::new(4, 0);
+        let first = batch(0, &[0, 1], Outcome::Processed);
+        let second = batch(0, &[2, 3], Outcome::Processed);
+        history.push(first.clone());
+        history.push(second.clone());
+        assert!(
+            history.take_retired().is_empty(),
+            "within the limit nothing leaves"
+        );
+        history.push(batch(0, &[4], Outcome::Processed));
+        assert_eq!(history.floor(), 2);
+        // Taken, the evicted batch is the caller's to drop: the history holds it no more.
+        let retired = history.take_retired();
+        assert_eq!(retired.len(), 1);
+        assert!(Arc::ptr_eq(&retired[0], &first));
+        drop(retired);
+        assert_eq!(Arc::strong_count(&first), 1);
+        assert!(history.take_retired().is_empty());
+        assert_eq!(
+            history
+                .batches()
+                .flat_map(|b| b.records.iter().map(|r| r.offset))
+                .collect::<Vec<_>>(),
+            vec![2, 3, 4]
+        );
+        // Nobody taking them: the oldest are dropped in place past the bound.
+        let mut pushed = Vec::new();
+        for offset in 5..5 + MAX_RETIRED as u64 + 10 {
+            let b = batch(0, &[offset, offset], Outcome::Processed);
+            pushed.push(b.clone());
+            history.push(b);
+        }
+        let retired = history.take_retired();
+        assert_eq!(retired.len(), MAX_RETIRED);
+        assert_eq!(
+            retired.last().map(|b| b.first_offset),
+            Some(5 + MAX_RETIRED as u64 + 10 - 3)
+        );
+        assert_eq!(Arc::strong_count(&second), 1, "dropped in place past the bound");
     }
 
     #[tokio::test]

@@ -334,6 +334,11 @@ impl Task {
         &self.history
     }
 
+    /// Outcome batches that left the history, to drop outside the lock.
+    pub(crate) fn take_retired(&mut self) -> Vec<Arc<OutcomeBatch>> {
+        self.history.take_retired()
+    }
+
     pub(crate) fn counters(&self) -> TaskCounters {
         self.counters
     }

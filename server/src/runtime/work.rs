@@ -544,7 +544,9 @@ impl WorkQueue {
     pub(crate) fn give_back(&mut self, lane: Option<usize>, mut returned: Vec<Record>) {
         if self.gating == Gating::Hold && lane.is_some() && !self.gate.keys.is_empty() && !returned.is_empty()
         {
-            let mut to_lane = Vec::with_capacity(returned.len());
+            // Most go to the gate (in `key` order a unit gives back little
+            // but records of keys that failed in it): no buffer sized for all.
+            let mut to_lane = Vec::new();
             for record in returned {
                 if record
                     .key
@@ -625,7 +627,12 @@ impl WorkQueue {
         let unit = unit.get_or_insert_with(WorkUnit::default);
         let hash = Some(key_hash(key));
         unit.key_hashes.extend(std::iter::repeat_n(hash, taken));
-        unit.records.extend(entry.held.drain(..taken));
+        if unit.records.is_empty() && taken == entry.held.len() {
+            // The usual case: the held records' buffer becomes the unit's, uncopied.
+            unit.records = Vec::from(std::mem::take(&mut entry.held));
+        } else {
+            unit.records.extend(entry.held.drain(..taken));
+        }
         unit.drains.push(key.clone());
     }
 
