@@ -420,11 +420,8 @@ mod tests {
             vec![2, 3, 4]
         );
         // Nobody taking them: the oldest are dropped in place past the bound.
-        let mut pushed = Vec::new();
         for offset in 5..5 + MAX_RETIRED as u64 + 10 {
-            let b = batch(0, &[offset, offset], Outcome::Processed);
-            pushed.push(b.clone());
-            history.push(b);
+            history.push(batch(0, &[offset, offset], Outcome::Processed));
         }
         let retired = history.take_retired();
         assert_eq!(retired.len(), MAX_RETIRED);
