@@ -334,20 +334,16 @@ fn layout_pipeline(
 
 /// Appends to a pipeline's source or retry partition wake the threads.
 fn on_append(shared: &Shared, topic: &str, partition: u32) {
-    let mut scheduler = shared.lock();
-    let mut any = false;
-    for (p, pipeline) in shared.pipelines.iter().enumerate() {
-        let source = *pipeline.topic == *topic;
-        if !source && *pipeline.retry_topic != *topic {
-            continue;
-        }
-        let Some(task) = scheduler.task_index(p, partition) else {
-            continue;
-        };
-        scheduler.notify_append(task, source, super::process::now_ms());
-        any = true;
-    }
-    if any {
-        shared.wake_waiters(&scheduler);
+    let appended: Vec<_> = shared
+        .pipelines
+        .iter()
+        .enumerate()
+        .filter_map(|(p, pipeline)| {
+            let source = *pipeline.topic == *topic;
+            (source || *pipeline.retry_topic == *topic).then_some((p, partition, source))
+        })
+        .collect();
+    if !appended.is_empty() {
+        shared.notify_append(&appended);
     }
 }

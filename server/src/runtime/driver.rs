@@ -126,6 +126,13 @@ fn run(shared: &Arc<Shared>, me: usize) {
             }
             let pick = scheduler.pick(me, Instant::now(), process::now_ms());
             if let Pick::Wait(timeout) = pick {
+                // Announced before the inbox is checked, so an append the
+                // listener could not hand over is either seen here or
+                // followed by a wake-up (see `AppendInbox`).
+                let _waiting = shared.appends.waiting();
+                if shared.appends.has_pending() {
+                    continue;
+                }
                 scheduler.begin_wait();
                 let (mut scheduler, _) = shared
                     .wake

@@ -29,6 +29,7 @@ mod commit;
 mod describe;
 mod driver;
 mod error;
+mod inbox;
 mod membership;
 mod pages;
 mod process;

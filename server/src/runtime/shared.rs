@@ -1,11 +1,12 @@
 //! What the stream threads and the `StreamsApp` API share: the config, the
 //! log, the pipelines as they run (fixed after start), the Scheduler behind
-//! its mutex with the condvar threads wait on, the app state, and the commit
-//! plumbing. A std mutex: it is held for a pick or a completion — never
+//! its mutex with the condvar threads wait on and the inbox the log's append
+//! listener leaves appends in, the app state, and the commit plumbing. A std mutex: it is held for a pick or a completion — never
 //! across I/O or a processor call — and threads are OS threads, not tasks.
 
 use super::RuntimeError;
 use super::commit::Committer;
+use super::inbox::AppendInbox;
 use super::scheduler::Scheduler;
 use crate::config::{Config, ProcessingOrder, RetryPolicy, StoreKind};
 use crate::log::Log;
@@ -81,6 +82,8 @@ pub(crate) struct Shared {
     /// Threads with nothing to do wait here; any change that may give them
     /// work notifies (when the scheduler says someone waits).
     pub(crate) wake: Condvar,
+    /// Appends the log's listener left for the next holder of `scheduler`.
+    pub(crate) appends: AppendInbox,
     state: AtomicU8,
     pub(crate) on_commit: Option<CommitCallback>,
     /// Storage faults of the log and the stores (the log's own, when it keeps one).
@@ -128,6 +131,7 @@ impl Shared {
             pipelines,
             scheduler: Mutex::new(scheduler),
             wake: Condvar::new(),
+            appends: AppendInbox::default(),
             state: AtomicU8::new(0),
             on_commit,
             committer: Committer::default(),
@@ -169,7 +173,50 @@ impl Shared {
     pub(crate) fn lock(&self) -> MutexGuard<'_, Scheduler> {
         // A panicking processor never holds this lock, and every scheduler
         // change completes before the lock is released: poison carries no news.
-        self.scheduler.lock().unwrap_or_else(|e| e.into_inner())
+        let mut scheduler = self.scheduler.lock().unwrap_or_else(|e| e.into_inner());
+        self.apply_appends(&mut scheduler);
+        scheduler
+    }
+
+    /// Tells the scheduler of new records in a pipeline's source (or retry)
+    /// partition, from the log's append listener. Waits for the lock only
+    /// when a thread may be asleep for want of them; otherwise, the lock
+    /// being taken, the appends wait in the inbox for its next holder.
+    pub(crate) fn notify_append(&self, appended: &[super::inbox::Appended]) {
+        let scheduler = match self.scheduler.try_lock() {
+            Ok(scheduler) => Some(scheduler),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        let Some(mut scheduler) = scheduler else {
+            if self.appends.post(appended.iter().copied()) {
+                // Taking the lock applies the inbox, these included, and wakes.
+                drop(self.lock());
+            }
+            return;
+        };
+        self.apply_appends(&mut scheduler);
+        for &(pipeline, partition, source) in appended {
+            if let Some(task) = scheduler.task_index(pipeline, partition) {
+                scheduler.notify_append(task, source, super::process::now_ms());
+            }
+        }
+        self.wake_waiters(&scheduler);
+    }
+
+    /// Hands the scheduler what the append listener left in the inbox.
+    fn apply_appends(&self, scheduler: &mut Scheduler) {
+        let appended = self.appends.take();
+        if appended.is_empty() {
+            return;
+        }
+        let now_ms = super::process::now_ms();
+        for (pipeline, partition, source) in appended {
+            if let Some(task) = scheduler.task_index(pipeline, partition) {
+                scheduler.notify_append(task, source, now_ms);
+            }
+        }
+        self.wake_waiters(scheduler);
     }
 
     /// Wakes waiting threads if any wait.
