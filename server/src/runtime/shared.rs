@@ -1,8 +1,9 @@
 //! What the stream threads and the `StreamsApp` API share: the config, the
 //! log, the pipelines as they run (fixed after start), the Scheduler behind
 //! its mutex with the condvar threads wait on and the inbox the log's append
-//! listener leaves appends in, the app state, and the commit plumbing. A std mutex: it is held for a pick or a completion — never
-//! across I/O or a processor call — and threads are OS threads, not tasks.
+//! listener leaves appends in, the app state, and the commit plumbing. A std
+//! mutex: it is held for a pick or a completion — never across I/O or a
+//! processor call — and threads are OS threads, not tasks.
 
 use super::RuntimeError;
 use super::commit::Committer;
@@ -196,27 +197,35 @@ impl Shared {
             return;
         };
         self.apply_appends(&mut scheduler);
-        for &(pipeline, partition, source) in appended {
-            if let Some(task) = scheduler.task_index(pipeline, partition) {
-                scheduler.notify_append(task, source, super::process::now_ms());
-            }
-        }
-        self.wake_waiters(&scheduler);
+        self.hand_over(&mut scheduler, appended.iter().copied());
     }
 
     /// Hands the scheduler what the append listener left in the inbox.
     fn apply_appends(&self, scheduler: &mut Scheduler) {
         let appended = self.appends.take();
-        if appended.is_empty() {
-            return;
+        if !appended.is_empty() {
+            self.hand_over(scheduler, appended);
         }
+    }
+
+    /// Tells the tasks of `appended` (those hosted here) of their new
+    /// records, and wakes waiting threads if any task was told.
+    fn hand_over(
+        &self,
+        scheduler: &mut Scheduler,
+        appended: impl IntoIterator<Item = super::inbox::Appended>,
+    ) {
         let now_ms = super::process::now_ms();
+        let mut any = false;
         for (pipeline, partition, source) in appended {
             if let Some(task) = scheduler.task_index(pipeline, partition) {
                 scheduler.notify_append(task, source, now_ms);
+                any = true;
             }
         }
-        self.wake_waiters(scheduler);
+        if any {
+            self.wake_waiters(scheduler);
+        }
     }
 
     /// Wakes waiting threads if any wait.
