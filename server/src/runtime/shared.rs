@@ -196,8 +196,12 @@ impl Shared {
             }
             return;
         };
-        self.apply_appends(&mut scheduler);
-        self.hand_over(&mut scheduler, appended.iter().copied());
+        // What waited in the inbox first: it was appended before these.
+        let waiting = self.appends.take();
+        self.hand_over(
+            &mut scheduler,
+            waiting.into_iter().chain(appended.iter().copied()),
+        );
     }
 
     /// Hands the scheduler what the append listener left in the inbox.
