@@ -308,10 +308,11 @@ fn probe_run(records: u64, failure_rate: f64) -> anyhow::Result<(f64, u64)> {
     Ok((seconds, detour))
 }
 
-/// The probe's runs are short (well under a second each) and this machine is shared: a pair
-/// of runs decides nothing. The two variants alternate, `PROBE_PAIRS` times, and the verdict
-/// compares medians.
-const PROBE_PAIRS: usize = 5;
+/// The probe's runs are short (about a tenth of a second each) and this machine is shared: a
+/// pair of runs decides nothing. The two variants alternate, `PROBE_PAIRS` times, and the
+/// verdict compares medians. (With 5 pairs the ratio of one binary swung 1.13–1.33 between
+/// harness runs minutes apart; 15 pairs add about 20 s.)
+const PROBE_PAIRS: usize = 15;
 
 fn median(values: &[f64]) -> f64 {
     let mut sorted = values.to_vec();
