@@ -649,7 +649,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: &mut Ve
                 if number >= max_attempts || !error.retryable {
                     Next::DeadLetter
                 } else {
-                    item.due_ms = now + shared.backoff(number, item.retry_offset).as_millis() as i64;
+                    item.due_ms = retry::due_ms(now, shared.backoff(number, item.retry_offset));
                     if keyed && let Some(key) = &item.record.key {
                         blocked_keys.insert(key.clone());
                     }
@@ -698,7 +698,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: &mut Ve
             }
             Next::DeadLetter | Next::Again => {
                 if matches!(next, Next::DeadLetter) {
-                    item.due_ms = now_ms() + shared.backoff(attempts, item.retry_offset).as_millis() as i64;
+                    item.due_ms = retry::due_ms(now_ms(), shared.backoff(attempts, item.retry_offset));
                 }
                 outcomes.push(outcome(
                     shared,

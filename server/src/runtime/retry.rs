@@ -69,11 +69,21 @@ pub(crate) struct RetryItem {
 /// The backoff after `attempts` failed attempts: `base · 2^(attempts−1)`,
 /// capped at `max`, times a jitter in [0.5, 1.0] drawn from `seed`, so
 /// records that failed together do not all come back at the same instant.
+/// Kept to the microsecond: cut to whole milliseconds, every jittered
+/// backoff of 1 ms was 0 (see [`due_ms`]).
 pub(crate) fn backoff(attempts: u32, base_ms: u64, max_ms: u64, seed: u64) -> Duration {
     let exponent = attempts.saturating_sub(1).min(32);
     let raw = base_ms.saturating_mul(1u64 << exponent).min(max_ms);
     let jitter = 0.5 + 0.5 * ((splitmix64(seed) >> 11) as f64 / (1u64 << 53) as f64);
-    Duration::from_millis((raw as f64 * jitter) as u64)
+    Duration::from_micros((raw as f64 * 1000.0 * jitter) as u64)
+}
+
+/// When an attempt waiting `backoff` from `from_ms` (epoch ms) is due: due
+/// times are whole milliseconds, so the backoff is rounded up, never down to
+/// no wait at all.
+pub(crate) fn due_ms(from_ms: i64, backoff: Duration) -> i64 {
+    let millis = i64::try_from(backoff.as_micros().div_ceil(1000)).unwrap_or(i64::MAX);
+    from_ms.saturating_add(millis)
 }
 
 /// What a record of the retry topic says about the record it retries: the
@@ -387,7 +397,7 @@ pub(crate) fn decode(retry: Record, now_ms: i64, backoff_of: impl Fn(u32, u64) -
     let due_ms = if attempts == 0 {
         0
     } else {
-        last_failure_ms.saturating_add(backoff_of(attempts, retry_offset).as_millis() as i64)
+        due_ms(last_failure_ms, backoff_of(attempts, retry_offset))
     };
     let record = Record {
         partition: entry.partition,
@@ -553,6 +563,27 @@ pub(crate) mod tests {
             let capped = backoff(20, 100, 1_000, seed).as_millis();
             assert!((500..=1_000).contains(&capped), "{capped}");
         }
+    }
+
+    #[test]
+    fn a_backoff_of_one_ms_waits_half_to_one_ms_and_falls_due_a_ms_later() {
+        let mut lengths = std::collections::BTreeSet::new();
+        for seed in 0..100 {
+            let wait = backoff(1, 1, 1_000, seed);
+            assert!(
+                (Duration::from_micros(500)..=Duration::from_millis(1)).contains(&wait),
+                "{wait:?}"
+            );
+            lengths.insert(wait);
+            assert_eq!(
+                due_ms(5_000, wait),
+                5_001,
+                "rounded up to whole ms, not down to none"
+            );
+        }
+        assert!(lengths.len() > 50, "jittered, not one length: {lengths:?}");
+        assert_eq!(due_ms(5_000, Duration::ZERO), 5_000);
+        assert_eq!(due_ms(5_000, Duration::from_millis(7)), 5_007);
     }
 
     /// `produced` as the log would store it at `offset`.
