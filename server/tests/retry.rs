@@ -379,6 +379,63 @@ fn key_order_parks_a_failing_keys_later_records_so_latest_wins() {
 }
 
 #[test]
+fn keys_longer_than_outcome_keys_keep_their_order_on_the_retry_path() {
+    // Outcomes carry keys cut to `outcome_key_bytes`; the key gate must hold
+    // the record's own key, or a long key's later records would run before
+    // its failed one is retried (and the cut key would stay gated).
+    let long_key = |k: usize| Bytes::from(format!("k{k}-{}", "x".repeat(100)));
+    // Only its first record fails (once): its later ones must wait for it.
+    let failing = long_key(1);
+    for order in [ProcessingOrder::Key, ProcessingOrder::Offset] {
+        let succeeded: Arc<Mutex<Vec<(Bytes, u64)>>> = Arc::default();
+        let processor = {
+            let (failing, succeeded) = (failing.clone(), succeeded.clone());
+            Arc::new(move |record: &Record, ctx: &ProcessorContext<'_>| {
+                let key = record.key.clone().unwrap_or_default();
+                if key == failing && record.offset == 1 && ctx.attempt == 1 {
+                    return Err(ProcessError::new("Flaky", "first attempt"));
+                }
+                ctx.store.put(key.clone(), record.value.clone())?;
+                succeeded.lock().unwrap().push((key, record.offset));
+                Ok(())
+            })
+        };
+        let mut cfg = config(4, 4, order, 1, "flaky");
+        cfg.outcome_key_bytes = 16;
+        let app = StreamsApp::builder(cfg)
+            .processor("flaky", processor)
+            .start()
+            .unwrap();
+        let records: Vec<ProducerRecord> = (0..400)
+            .map(|i| ProducerRecord::keyed(long_key(i % 8), i.to_string()))
+            .collect();
+        app.produce("in", records).unwrap();
+        assert!(app.wait_until_caught_up(WAIT), "{order}");
+        for k in 0..8 {
+            let highest = (0..400).filter(|i| i % 8 == k).max().unwrap();
+            assert_eq!(
+                app.get("p", &long_key(k)).unwrap().unwrap(),
+                highest.to_string(),
+                "{order}: key {k} holds its highest offset's value"
+            );
+        }
+        let succeeded = succeeded.lock().unwrap();
+        for k in 0..8 {
+            let offsets: Vec<u64> = succeeded
+                .iter()
+                .filter(|(key, _)| *key == long_key(k))
+                .map(|&(_, offset)| offset)
+                .collect();
+            assert_eq!(offsets.len(), 50, "{order}: key {k} ran each record once");
+            assert!(
+                offsets.is_sorted(),
+                "{order}: key {k} ran in offset order: {offsets:?}"
+            );
+        }
+    }
+}
+
+#[test]
 fn a_record_running_past_the_processing_timeout_takes_the_retry_path() {
     let calls = Arc::new(AtomicUsize::new(0));
     let seen = calls.clone();

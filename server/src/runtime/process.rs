@@ -22,6 +22,7 @@ use crate::processor::remote::{RecordResult, Unreachable};
 use crate::processor::{Outputs, ProcessError, ProcessorContext};
 use crate::runtime::echo_up_to;
 use crate::store::{Write, WriteTag};
+use bytes::Bytes;
 use std::collections::HashSet;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -336,8 +337,8 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
     let mut clock_every = CLOCK_EVERY;
     let mut outcomes = Vec::with_capacity(unit.records.len());
     let mut returned = Vec::new();
-    let mut to_retry: Vec<(usize, ProducerRecord)> = Vec::new();
-    let mut to_dead_letter: Vec<(usize, ProducerRecord)> = Vec::new();
+    let mut to_retry = Appends::default();
+    let mut to_dead_letter = Appends::default();
     let mut failed_keys = KeySet::default();
     // The hashes of `failed_keys`, where the unit knows its records' hashes:
     // most records are not of a failed key, and this tells so without a read
@@ -394,7 +395,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
                 first_failure_ms: now,
                 last_failure_ms: now,
             };
-            to_retry.push((outcomes.len(), retry::retry_record(record, &parked)));
+            to_retry.push(outcomes.len(), retry::retry_record(record, &parked));
             outcomes.push(outcome(
                 shared,
                 context,
@@ -514,7 +515,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         // Blocking retries used up, a single attempt allowed, or a failure not worth retrying.
         if pipeline.retry_policy == RetryPolicy::Blocking || max_attempts <= 1 || !retryable {
             let dead = retry::dead_letter_record(&pipeline.topic, record, &failure);
-            to_dead_letter.push((outcomes.len(), dead));
+            to_dead_letter.push(outcomes.len(), dead);
             outcomes.push(outcome(
                 shared,
                 context,
@@ -534,7 +535,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
             }
             failed_keys.insert(key.clone());
         }
-        to_retry.push((outcomes.len(), retry::retry_record(record, &failure)));
+        to_retry.push(outcomes.len(), retry::retry_record(record, &failure));
         outcomes.push(outcome(
             shared,
             context,
@@ -545,20 +546,26 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         ));
     }
     let mut retry_keys = Vec::new();
-    for (topic, entries) in [
+    for (topic, appends) in [
         (&pipeline.retry_topic, to_retry),
         (&pipeline.dead_letter_topic, to_dead_letter),
     ] {
-        let (indices, produced): (Vec<usize>, Vec<ProducerRecord>) = entries.into_iter().unzip();
-        match append_with_backoff(shared, topic, produced) {
-            Ok(()) => {
-                if Arc::ptr_eq(topic, &pipeline.retry_topic) && context.gating != Gating::Off {
-                    retry_keys.extend(indices.iter().filter_map(|&i| outcomes[i].key.clone()));
-                }
-            }
+        if appends.records.is_empty() {
+            continue;
+        }
+        // The gate holds the records' own keys: an outcome's may be cut
+        // short (`outcome_key_bytes`), and a key gated as such would never
+        // hold back the key's later records nor open again.
+        let keys: Vec<Bytes> = if Arc::ptr_eq(topic, &pipeline.retry_topic) && context.gating != Gating::Off {
+            appends.records.iter().filter_map(|r| r.key.clone()).collect()
+        } else {
+            Vec::new()
+        };
+        match append_with_backoff(shared, topic, appends.records) {
+            Ok(()) => retry_keys.extend(keys),
             Err(error) => {
                 // Not on its path: the record's outcome is final.
-                for i in indices {
+                for i in appends.outcomes {
                     let record = &mut outcomes[i];
                     record.outcome = Outcome::Failed;
                     record.error = Some(Arc::from(format!("could not append to `{topic}`: {error}")));
@@ -578,6 +585,22 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         returned,
         retry_keys,
         outputs: emitted,
+    }
+}
+
+/// Records a unit appends to the retry or dead-letter topic, and the index of
+/// each one's outcome (marked failed should the append fail). Two lists, not
+/// one of pairs: the records go to the log as they are, without a copy.
+#[derive(Default)]
+struct Appends {
+    outcomes: Vec<usize>,
+    records: Vec<ProducerRecord>,
+}
+
+impl Appends {
+    fn push(&mut self, outcome: usize, record: ProducerRecord) {
+        self.outcomes.push(outcome);
+        self.records.push(record);
     }
 }
 
