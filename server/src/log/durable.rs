@@ -312,6 +312,11 @@ struct Request {
 pub struct RedbLog {
     shared: Arc<Shared>,
     requests: Option<mpsc::Sender<Request>>,
+    /// The reply channel of requests nobody waits for (appends behind their callers, heal
+    /// requests), its receiver dropped: the writer's answer is discarded at once. One shared
+    /// sender instead of a channel per request, which cost every failing record's retry
+    /// append two allocations (bench `retry`, parked-keys probe).
+    unanswered: mpsc::SyncSender<Result<Reply, LogError>>,
     writer: Option<JoinHandle<()>>,
 }
 
@@ -404,9 +409,11 @@ impl RedbLog {
             .name("taskstream-log-writer".into())
             .spawn(move || writer.run())
             .map_err(|e| shared.storage(format!("cannot start the log writer thread: {e}")))?;
+        let (unanswered, _) = mpsc::sync_channel(1);
         Ok(Arc::new(RedbLog {
             shared,
             requests: Some(requests),
+            unanswered,
             writer: Some(writer),
         }))
     }
@@ -556,7 +563,7 @@ impl RedbLog {
     /// Hands `op` to the writer thread without waiting for it (`AppendMode::Behind`).
     fn submit_behind(&self, op: Op) -> Result<(), LogError> {
         // Nobody reads the reply: the writer keeps a failed write and retries it itself.
-        let (reply, _ignored) = mpsc::sync_channel(1);
+        let reply = self.unanswered.clone();
         self.requests
             .as_ref()
             .ok_or_else(|| LogError::Unavailable("the log writer thread has stopped".into()))?
@@ -644,7 +651,7 @@ impl RedbLog {
                 .failed(StorageComponent::Log, &self.shared.path, message);
             if let Some(requests) = &self.requests {
                 // Nobody waits for the answer.
-                let (reply, _) = mpsc::sync_channel(1);
+                let reply = self.unanswered.clone();
                 let _ = requests.send(Request { op: Op::Heal, reply });
             }
         }

@@ -135,8 +135,25 @@ impl EntryFields<'_> {
     /// The header value (see [`RetryEntry`]). The numbers are written by
     /// hand: through `core::fmt` they were most of what encoding cost, and
     /// every failing record is encoded (bench `retry`, parked-keys probe).
+    /// The buffer is sized exactly: `Bytes` takes a full `Vec` as it is, but
+    /// one with room to spare costs it an allocation of its own.
     fn encode(&self) -> Bytes {
-        let mut text = Vec::with_capacity(ENTRY_NUMBERS_MAX + self.exception.len() + self.message.len());
+        let numbers = [
+            unsigned_len(u64::from(self.partition)),
+            unsigned_len(self.offset),
+            signed_len(self.timestamp_ms),
+            unsigned_len(u64::from(self.attempts)),
+            signed_len(self.first_failure_ms),
+            signed_len(self.last_failure_ms),
+            unsigned_len(self.exception.len() as u64),
+        ];
+        let len = ENTRY_VERSION.len()
+            + numbers.iter().sum::<usize>()
+            + 1
+            + self.exception.len()
+            + 1
+            + self.message.len();
+        let mut text = Vec::with_capacity(len);
         text.extend_from_slice(ENTRY_VERSION.as_bytes());
         push_unsigned(&mut text, u64::from(self.partition));
         push_unsigned(&mut text, self.offset);
@@ -149,13 +166,20 @@ impl EntryFields<'_> {
         text.extend_from_slice(self.exception.as_bytes());
         text.push(b' ');
         text.extend_from_slice(self.message.as_bytes());
+        debug_assert_eq!(text.len(), len, "the entry's length is computed exactly");
         Bytes::from(text)
     }
 }
 
-/// The most bytes an entry's version and numbers take: seven numbers of at
-/// most 20 digits and a sign, each after a space.
-const ENTRY_NUMBERS_MAX: usize = 1 + 7 * 22 + 2;
+/// Bytes `push_unsigned` appends for `value`: a space and its digits.
+fn unsigned_len(value: u64) -> usize {
+    1 + value.checked_ilog10().map_or(1, |log| log as usize + 1)
+}
+
+/// Bytes `push_signed` appends for `value`: a space, a `-` if negative, its digits.
+fn signed_len(value: i64) -> usize {
+    usize::from(value < 0) + unsigned_len(value.unsigned_abs())
+}
 
 /// Appends a space and `value` in decimal.
 fn push_unsigned(text: &mut Vec<u8>, value: u64) {

@@ -55,6 +55,9 @@ const MAX_LANES: usize = 4096;
 /// drains units shrink and the last ones are shared by every thread.
 const TAIL_SHARE: usize = 4;
 
+/// Room a key's held records get when its first one is held (see `KeyGate::hold`).
+const HELD_PER_KEY: usize = 8;
+
 /// A pause of the held budget never lasts less than this, so a retry path
 /// slowed by a moment's load (a fetch, a descheduled thread) is waited out.
 const MIN_HOLD_PAUSE: Duration = Duration::from_millis(50);
@@ -744,6 +747,11 @@ impl KeyGate {
         let entry = record.key.as_ref().and_then(|key| self.keys.get_mut(key));
         debug_assert!(entry.is_some(), "only a gated key's records are held");
         if let Some(entry) = entry {
+            if entry.held.capacity() == 0 {
+                // A failed key holds about five records (bench `retry`,
+                // parked-keys probe): room for them at once, not by doubling.
+                entry.held.reserve_exact(HELD_PER_KEY);
+            }
             entry.held.push_back(record);
             self.held_records += 1;
         }
