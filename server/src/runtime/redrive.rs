@@ -6,9 +6,11 @@
 use super::RuntimeError;
 use super::app::hosted_partitions;
 use super::retry::redriven_record;
+use super::shared::Shared;
 use crate::config::RetryPolicy;
-use crate::log::RecordPosition;
+use crate::log::{ProducerRecord, RecordPosition};
 use crate::runtime::StreamsApp;
+use bytes::Bytes;
 
 /// Dead letters read and appended at a time, so a redrive of a whole partition holds
 /// only this many in memory.
@@ -70,11 +72,13 @@ impl StreamsApp {
                     let Some(last) = chunk.last() else { break };
                     next = last.offset + 1;
                     chunk.retain(|record| record.offset < end);
-                    positions.extend(
-                        shared
-                            .log
-                            .append(&retry, chunk.into_iter().map(redriven_record).collect())?,
-                    );
+                    positions.extend(append_gated(
+                        shared,
+                        p,
+                        partition,
+                        &retry,
+                        chunk.into_iter().map(redriven_record).collect(),
+                    )?);
                 }
             }
             Redrive::Offsets(offsets) => {
@@ -100,10 +104,34 @@ impl StreamsApp {
                     }
                 }
                 for chunk in records.chunks(CHUNK) {
-                    positions.extend(shared.log.append(&retry, chunk.to_vec())?);
+                    positions.extend(append_gated(shared, p, partition, &retry, chunk.to_vec())?);
                 }
             }
         }
         Ok(positions)
     }
+}
+
+/// Appends redriven records to the retry partition with their keys gated
+/// first (see `Scheduler::gate_retry_keys`): counted before any thread can
+/// read and finish them, and uncounted again if the append fails.
+fn append_gated(
+    shared: &Shared,
+    pipeline: usize,
+    partition: u32,
+    retry: &str,
+    records: Vec<ProducerRecord>,
+) -> Result<Vec<RecordPosition>, RuntimeError> {
+    let keys: Vec<Bytes> = records.iter().filter_map(|r| r.key.clone()).collect();
+    shared.lock().gate_retry_keys(pipeline, partition, &keys);
+    shared.log.append(retry, records).map_err(|error| {
+        let scheduler = {
+            let mut scheduler = shared.lock();
+            scheduler.ungate_retry_keys(pipeline, partition, &keys);
+            scheduler
+        };
+        // Held records may have gone back to their lanes.
+        shared.wake_waiters(&scheduler);
+        RuntimeError::from(error)
+    })
 }

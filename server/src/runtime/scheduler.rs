@@ -18,6 +18,7 @@ use super::task::{Task, TaskInit};
 use super::work::WorkUnit;
 use crate::log::Record;
 use crate::metadata::{OutcomeBatch, RecordOutcome, ThreadState};
+use bytes::Bytes;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -294,6 +295,22 @@ impl Scheduler {
             let _ = feed.send(FeedEvent::Removed(task.partition()));
         }
         Some(task)
+    }
+
+    /// Records of `keys` are about to be appended to the retry partition of
+    /// `pipeline`'s `partition` from outside its units (see `Task::gate_keys`);
+    /// nothing if the task is not here (its next owner gates them at start).
+    pub(crate) fn gate_retry_keys(&mut self, pipeline: usize, partition: u32, keys: &[Bytes]) {
+        if let Some(t) = self.task_index(pipeline, partition) {
+            self.task_mut(t).gate_keys(keys);
+        }
+    }
+
+    /// Their append failed: undoes `gate_retry_keys`.
+    pub(crate) fn ungate_retry_keys(&mut self, pipeline: usize, partition: u32, keys: &[Bytes]) {
+        if let Some(t) = self.task_index(pipeline, partition) {
+            self.task_mut(t).ungate_keys(keys);
+        }
     }
 
     /// Records were appended to task `t`'s source partition (or its retry partition).

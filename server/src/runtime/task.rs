@@ -400,6 +400,23 @@ impl Task {
         self.work.gating()
     }
 
+    /// Records of `keys` are about to be appended to the retry topic from
+    /// outside the task's units (a dead-letter redrive): each counts on its
+    /// key's gate as a failed record's entry does, so the key's later records
+    /// wait behind it and its final outcome leaves the gate as it found it.
+    pub(crate) fn gate_keys(&mut self, keys: &[Bytes]) {
+        for key in keys {
+            self.work.gate_key(key);
+        }
+    }
+
+    /// Undoes `gate_keys` for records whose append failed.
+    pub(crate) fn ungate_keys(&mut self, keys: &[Bytes]) {
+        for key in keys {
+            self.work.ungate_key(key);
+        }
+    }
+
     pub(crate) fn tagged_commits(&self) -> bool {
         self.tagged_commits
     }

@@ -382,6 +382,58 @@ fn under_exactly_once_a_commit_waiting_for_the_drain_lets_held_records_complete(
     );
 }
 
+/// A redriven dead letter joins the retry path from outside the task's
+/// units: its key is gated for it as for a failed record, so when it
+/// finishes the key stays gated for a later failure of the key still waiting.
+#[test]
+fn a_redriven_entry_counts_on_its_keys_gate_and_opens_only_its_own_share() {
+    let now = Instant::now();
+    let mut s = one_task(2, ProcessingOrder::Key, 2, 10, now);
+    let task = s.task_index(PIPELINE, 0).expect("the task");
+    let k = Bytes::from_static(b"k");
+    // k@0 is out in a unit when a redrive gates k and appends its entry
+    // (retry offset 0); then k@0 fails (entry 1, due later), and k@1 is held.
+    let log = vec![record(0, 0, "k"), record(0, 1, "k")];
+    let (_, unit, context) = first_unit(&mut s, 0, &log[..1], now);
+    s.gate_retry_keys(PIPELINE, 0, std::slice::from_ref(&k));
+    fail_first(&mut s, 0, task, &unit, &context);
+    s.notify_append(task, true, 0);
+    no_unit_for(&mut s, 0, &log, now, "k is gated");
+    assert_eq!(s.task(task).unwrap().held(), 1);
+    let mut redriven = failed_item(&record(0, 0, "k"), 0);
+    redriven.failure.attempts = 0;
+    let mut failed = failed_item(&log[0], 1);
+    failed.due_ms = 60_000;
+    s.notify_append(task, false, 0);
+    let mut next = None;
+    for _ in 0..10 {
+        match s.pick(1, now, 1_000) {
+            Pick::RetryFetch { task, generation, .. } => {
+                s.finish_retry_fetch(1, task, generation, Ok(vec![redriven.clone(), failed.clone()]));
+            }
+            Pick::Retry { task, items, context } => {
+                assert_eq!(items.len(), 1, "only the redriven entry is due");
+                let (_, drained) = s.finish_retries(
+                    1,
+                    task,
+                    RetriesDone {
+                        finished: vec![(0, 0, Some(k.clone()))],
+                        again: Vec::new(),
+                        outcomes: processed(&context, &[items[0].record.clone()]),
+                        outputs: Vec::new(),
+                    },
+                );
+                next = Some(drained.is_none());
+                break;
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(next, Some(true), "the redriven entry finished; k stays gated");
+    assert_eq!(s.task(task).unwrap().held(), 1, "k@1 waits for k@0's retry");
+    no_unit_for(&mut s, 0, &log, now, "k is still gated");
+}
+
 fn offsets(unit: &WorkUnit) -> Vec<u64> {
     unit.records.iter().map(|r| r.offset).collect()
 }
