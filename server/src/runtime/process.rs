@@ -661,7 +661,8 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: &mut Ve
             attempted.push(Next::Untouched);
             continue;
         }
-        let number = item.failure.attempts + 1;
+        // A hand-written retry record may claim any count of attempts.
+        let number = item.failure.attempts.saturating_add(1);
         let tag = if context.tag_writes {
             WriteTag::Retry {
                 entry: item.retry_offset,
@@ -689,13 +690,15 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: &mut Ve
                 if item.failure.first_failure_ms == 0 {
                     item.failure.first_failure_ms = now;
                 }
+                // Later items of its key wait: it is not final until its
+                // dead letter is appended, which may yet fail.
+                if keyed && let Some(key) = &item.record.key {
+                    blocked_keys.insert(key.clone());
+                }
                 if number >= max_attempts || !error.retryable {
                     Next::DeadLetter
                 } else {
                     item.due_ms = retry::due_ms(now, shared.backoff(number, item.retry_offset));
-                    if keyed && let Some(key) = &item.record.key {
-                        blocked_keys.insert(key.clone());
-                    }
                     Next::Again
                 }
             }
@@ -723,7 +726,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: &mut Ve
                     context,
                     &item.record,
                     Outcome::Processed,
-                    attempts + 1,
+                    attempts.saturating_add(1),
                     None,
                 ));
                 true
