@@ -243,10 +243,12 @@ impl RetryQueue {
         self.window.saturating_sub(self.seq.span())
     }
 
-    /// Adds records read from the retry topic, consecutive from `seq.fetched_end()`.
+    /// Adds records read from the retry topic, from `seq.fetched_end()` on;
+    /// offsets without a record between them (Kafka's transaction markers,
+    /// under exactly-once) are gaps the watermark passes.
     pub(crate) fn add_fetched(&mut self, items: Vec<RetryItem>) {
         self.not_before_ms = 0;
-        self.seq.fetched(items.len());
+        self.seq.fetched_at(items.iter().map(|item| item.retry_offset));
         for item in items {
             if self.done_before.remove(&item.retry_offset) || item.marker {
                 self.seq.complete(item.retry_offset, None, &mut Vec::new());
@@ -470,6 +472,38 @@ mod tests {
             due_ms,
             marker: false,
         }
+    }
+
+    /// Under exactly-once every transaction leaves a marker in the retry
+    /// partition: an offset no read returns. The entries past it must still
+    /// complete, the watermark pass it, and the next read start after them.
+    #[test]
+    fn offsets_between_entries_are_passed_not_waited_for() {
+        let mut queue = RetryQueue::new(0, true, 100, vec![]);
+        let (from, _, generation) = queue.start_fetch(0).expect("a new queue reads its partition");
+        assert_eq!(from, 0);
+        queue.fetch_ended(generation, Some(1));
+        queue.add_fetched(vec![item("a", 0, 0)]);
+        queue.notify_append(0);
+        let (from, _, generation) = queue.start_fetch(0).expect("appended since");
+        assert_eq!(from, 1);
+        queue.fetch_ended(generation, Some(2));
+        // A marker at 1 and at 3; entries at 2 and 4.
+        queue.add_fetched(vec![item("b", 2, 0), item("c", 4, 0)]);
+        let taken = queue.take_due(10, |_| true);
+        assert_eq!(
+            taken.iter().map(|i| i.retry_offset).collect::<Vec<_>>(),
+            vec![0, 2, 4]
+        );
+        let finished: Vec<_> = taken
+            .iter()
+            .map(|i| (i.retry_offset, i.record.offset, i.record.key.clone()))
+            .collect();
+        queue.complete(&finished, vec![]);
+        assert_eq!(queue.watermark(), 5, "past both markers");
+        queue.notify_append(0);
+        let (from, _, _) = queue.start_fetch(0).expect("appended since");
+        assert_eq!(from, 5, "no entry is read twice");
     }
 
     #[test]

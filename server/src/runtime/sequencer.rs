@@ -77,10 +77,31 @@ impl<T> Sequencer<T> {
             .collect()
     }
 
-    /// Records `count` more offsets as fetched (from `fetched_end()` on).
+    /// Records `count` more offsets as fetched (from `fetched_end()` on), all
+    /// records: `fetched_at` without gaps, for tests.
+    #[cfg(test)]
     pub(crate) fn fetched(&mut self, count: usize) {
         self.slots.extend((0..count).map(|_| Slot::Pending));
         self.pending += count;
+    }
+
+    /// Records fetched records at `offsets` (ascending, from `fetched_end()`
+    /// on). An offset skipped on the way holds no record at all (a Kafka
+    /// transaction marker, a record compacted away): it is a gap, completed
+    /// at once, so the watermark passes it and no record is mistaken for it.
+    pub(crate) fn fetched_at(&mut self, offsets: impl IntoIterator<Item = u64>) {
+        for offset in offsets {
+            let end = self.fetched_end();
+            if offset < end {
+                debug_assert!(false, "offset {offset} fetched twice");
+                continue;
+            }
+            self.slots.extend((end..offset).map(|_| Slot::Done));
+            self.slots.push_back(Slot::Pending);
+            self.pending += 1;
+        }
+        // Gaps at the front: the front is always pending.
+        self.advance(&mut Vec::new());
     }
 
     /// Completes `offset`, holding `held` (if any) until the watermark passes
@@ -183,6 +204,44 @@ mod tests {
             prop_assert_eq!(seq.span(), 0);
         }
 
+        /// Fetches with gaps (offsets holding no record), in any completion
+        /// order: the watermark is the first record not completed (or the
+        /// fetch end), and the held values come out in offset order.
+        #[test]
+        fn gaps_are_passed_and_records_released_in_offset_order(
+            present in proptest::collection::vec(any::<bool>(), 1..300),
+            keys in proptest::collection::vec(any::<u32>(), 1..64),
+            fetch_steps in proptest::collection::vec(1usize..50, 1..8),
+        ) {
+            let records: Vec<u64> = (0..present.len() as u64).filter(|&o| present[o as usize]).collect();
+            let end = present.len() as u64;
+            let mut seq = Sequencer::new(0);
+            // Fetched in steps; the last fetch reaches past the trailing gap only if a record follows it.
+            let mut at = 0;
+            for step in fetch_steps.iter().cycle() {
+                if at >= records.len() {
+                    break;
+                }
+                let upto = (at + step).min(records.len());
+                seq.fetched_at(records[at..upto].iter().copied());
+                at = upto;
+            }
+            let fetched_end = records.last().map_or(0, |&last| last + 1);
+            prop_assert_eq!(seq.fetched_end(), fetched_end);
+            let mut completed = std::collections::BTreeSet::new();
+            let mut released = Vec::new();
+            for offset in permuted(&records, &keys) {
+                seq.complete(offset, Some(offset), &mut released);
+                completed.insert(offset);
+                let first_open = records.iter().copied().find(|o| !completed.contains(o));
+                prop_assert_eq!(seq.watermark(), first_open.unwrap_or(fetched_end));
+                let below: Vec<u64> = records.iter().copied().filter(|&o| o < seq.watermark()).collect();
+                prop_assert_eq!(&released, &below);
+            }
+            prop_assert!(seq.watermark() <= end);
+            prop_assert_eq!((seq.span(), seq.pending()), (0, 0));
+        }
+
         /// Completion without holding: the watermark is the completed prefix
         /// and `completed_above` lists exactly the completed offsets past it.
         #[test]
@@ -210,6 +269,27 @@ mod tests {
             }
             prop_assert_eq!(seq.watermark(), start + total as u64);
         }
+    }
+
+    #[test]
+    fn offsets_skipped_by_a_fetch_are_gaps_the_watermark_passes() {
+        let mut seq = Sequencer::new(10);
+        // Records at 10, 12 and 15; 11, 13 and 14 hold none (markers).
+        seq.fetched_at([10, 12, 15]);
+        assert_eq!((seq.watermark(), seq.fetched_end(), seq.pending()), (10, 16, 3));
+        let mut released = Vec::new();
+        seq.complete(15, Some(15), &mut released);
+        seq.complete(10, Some(10), &mut released);
+        assert_eq!(seq.watermark(), 12, "past 10 and the gap at 11");
+        assert_eq!(seq.completed_above(), vec![13, 14, 15]);
+        seq.complete(12, Some(12), &mut released);
+        assert_eq!(released, vec![10, 12, 15]);
+        assert_eq!((seq.watermark(), seq.pending(), seq.span()), (16, 0, 0));
+        // A gap at the front is passed at once.
+        seq.fetched_at([18]);
+        assert_eq!((seq.watermark(), seq.fetched_end()), (18, 19));
+        seq.fetched_at([]);
+        assert_eq!(seq.fetched_end(), 19);
     }
 
     #[test]

@@ -472,7 +472,7 @@ impl Task {
             Ok(records) => {
                 self.fetch_failures = 0;
                 self.fetch_after = None;
-                self.seq.fetched(records.len());
+                self.seq.fetched_at(records.iter().map(|r| r.offset));
                 self.work.push_fetched(records);
             }
             Err(()) => {
