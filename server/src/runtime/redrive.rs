@@ -114,7 +114,10 @@ impl StreamsApp {
 
 /// Appends redriven records to the retry partition with their keys gated
 /// first (see `Scheduler::gate_retry_keys`): counted before any thread can
-/// read and finish them, and uncounted again if the append fails.
+/// read and finish them, and uncounted again if the append fails. A unit
+/// already running a record of such a key when it is gated may still run
+/// beside the redriven record (its updates stay atomic through the store's
+/// key locks); later records of the key wait behind it.
 fn append_gated(
     shared: &Shared,
     pipeline: usize,
