@@ -744,18 +744,14 @@ impl Task {
             }
     }
 
-    /// Whether a commit waiting for the task keeps retries from starting: one
-    /// waiting for idle, being frozen, or (exactly-once) being written, whose
-    /// transaction must hold no write of a retry whose position it does not
-    /// commit. Not one waiting for the drain: records held behind a failed
-    /// key complete only after that key's retry, so pausing retries there
-    /// would keep the drain (and the commit, and fetching) waiting for good.
-    /// A retry that finishes before the drain is frozen with it, its entry
-    /// among the commit's final ones.
+    /// Whether a commit waiting for the task keeps retries from starting:
+    /// one waiting for idle, and under exactly-once any (a retry's writes
+    /// must not enter a transaction that does not commit its position).
     fn retries_paused(&self) -> bool {
         match self.commit_wait {
-            Some(CommitWait::Idle | CommitWait::Freezing | CommitWait::Writing) => true,
-            Some(CommitWait::Drained) | None => false,
+            Some(CommitWait::Idle | CommitWait::Freezing) => true,
+            Some(_) => self.exactly_once,
+            None => false,
         }
     }
 

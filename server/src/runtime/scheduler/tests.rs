@@ -344,44 +344,6 @@ fn key_order_holds_a_failed_keys_later_records_until_its_retry_is_final() {
     assert_eq!(s.task(task).unwrap().watermark(), 4);
 }
 
-/// Under exactly-once a commit waits until the task is drained: every
-/// fetched record complete. A record held behind a failed key completes only
-/// after that key's retry, so the retry must still run while the commit
-/// waits, or neither ever happens and the partition stops.
-#[test]
-fn under_exactly_once_a_commit_waiting_for_the_drain_lets_held_records_complete() {
-    let now = Instant::now();
-    let mut s = scheduler(now);
-    s.add_thread();
-    s.add_thread();
-    let mut transactional = init(0, ProcessingOrder::Key, 2, 0, 10);
-    transactional.transaction = Some("app-p-0".into());
-    let task = s.add_task(transactional);
-    let first = vec![record(0, 0, "k")];
-    let (task_of, unit, context) = first_unit(&mut s, 0, &first, now);
-    assert_eq!(task_of, task);
-    fail_first(&mut s, 0, task, &unit, &context);
-    let log = vec![record(0, 0, "k"), record(0, 1, "k")];
-    s.notify_append(task, true, 0);
-    no_unit_for(&mut s, 0, &log, now, "held while k is on the retry path");
-    assert_eq!(s.task(task).unwrap().held(), 1);
-    // A commit round: the commit waits for the drain, which waits for offset 1.
-    let later = now + Duration::from_secs(3_600 * 2);
-    if let Pick::Commit { .. } = s.pick(1, later, 0) {
-        s.finish_commit_round(1);
-    }
-    let (unit, context) = retry_succeeds(&mut s, 1, task, failed_item(&first[0], 0), later)
-        .expect("k's held record runs after its retry");
-    assert_eq!(offsets(&unit), vec![1]);
-    let commit = s.finish_unit(1, task, done(&context, &unit));
-    assert_eq!(s.task(task).unwrap().watermark(), 2);
-    assert_eq!(
-        commit.map(|item| item.offset),
-        Some(2),
-        "drained: the commit goes ahead at the whole fetch"
-    );
-}
-
 /// A redriven dead letter joins the retry path from outside the task's
 /// units: its key is gated for it as for a failed record, so when it
 /// finishes the key stays gated for a later failure of the key still waiting.
