@@ -857,6 +857,81 @@ fn sink_outputs_reach_kafka_in_transactions_with_exactly_once_v2() {
     sink_outputs_reach_kafka(taskstream_server::ProcessingGuarantee::ExactlyOnceV2);
 }
 
+/// Failures under exactly_once_v2 in `key` order, T = 2: a retry entry is
+/// readable once its transaction commits, and a commit waits for every
+/// fetched record, so a failed key's later records park on the retry topic
+/// (held in memory, they and the commit waited for each other for good:
+/// batch 0 never finished). The retry partition, written in transactions,
+/// holds a marker after each one's entries. Every record is counted exactly
+/// once, batch after batch.
+#[test]
+fn exactly_once_v2_retries_in_key_order_count_every_record_once() {
+    use taskstream_server::{ProcessError, ProcessorContext, ProducerRecord, Record, StreamsApp};
+    let Some(broker) = broker() else { return };
+    let application = unique("eos-retries");
+    let topic = format!("{application}-events");
+    let mut config = group_config(
+        broker,
+        &application,
+        &topic,
+        2,
+        taskstream_server::GroupProtocol::Consumer,
+    );
+    config.num_threads_per_task = 2;
+    config.processing_order = taskstream_server::ProcessingOrder::Key;
+    config.processing_guarantee = taskstream_server::ProcessingGuarantee::ExactlyOnceV2;
+    config.retry_backoff_ms = 20;
+    config.retry_backoff_max_ms = 40;
+    config.pipelines[0].processor = taskstream_server::ProcessorSpec::Custom { name: "flaky".into() };
+    // Counts per key; a tenth of the records fail their first attempt.
+    let processor = std::sync::Arc::new(|record: &Record, ctx: &ProcessorContext<'_>| {
+        let value: u64 = std::str::from_utf8(&record.value).unwrap().parse().unwrap();
+        if value % 10 == 3 && ctx.attempt == 1 {
+            return Err(ProcessError::new("Flaky", "first attempt"));
+        }
+        ctx.store
+            .update(record.key.as_deref().unwrap_or_default(), &mut |old| {
+                let n: u64 = old.map_or(0, |v| std::str::from_utf8(v).unwrap().parse().unwrap());
+                Some(bytes::Bytes::from((n + 1).to_string()))
+            })?;
+        Ok::<(), ProcessError>(())
+    });
+    let app = StreamsApp::builder(config)
+        .processor("flaky", processor)
+        .start()
+        .expect("start the instance");
+    eventually("the instance hosts both partitions", || {
+        app.hosted_partitions("counts").unwrap().len() == 2
+    });
+    let keys = 20;
+    let count_of = |key: usize| -> u64 {
+        app.get("counts", format!("key-{key}").as_bytes())
+            .ok()
+            .flatten()
+            .map_or(0, |v| std::str::from_utf8(&v).unwrap().parse().unwrap())
+    };
+    // Batches apart, so their retries go into different transactions.
+    for batch in 0..5u64 {
+        let records: Vec<ProducerRecord> = (batch * 400..(batch + 1) * 400)
+            .map(|i| ProducerRecord::keyed(format!("key-{}", i % keys as u64), i.to_string()))
+            .collect();
+        app.produce(&topic, records).expect("produce");
+        let expected = (batch + 1) * 400 / keys as u64;
+        eventually(
+            &format!("batch {batch}: every key counted {expected} times"),
+            || (0..keys).all(|key| count_of(key) >= expected),
+        );
+        for key in 0..keys {
+            assert_eq!(
+                count_of(key),
+                expected,
+                "batch {batch}: key-{key} counted once per record"
+            );
+        }
+    }
+    app.shutdown().expect("shutdown commits");
+}
+
 /// State moves with its partition: one instance counts into persistent
 /// stores; a second one with an empty data dir takes every partition over
 /// and answers the same counts, restored from the changelog (the group's

@@ -97,11 +97,7 @@ pub(crate) fn plan(
     };
     let resume = committed.unwrap_or(earliest).max(earliest);
     let retry_start = retry_committed.unwrap_or(retry_earliest).max(retry_earliest);
-    let gating = match (p.retry_policy, p.order) {
-        (RetryPolicy::Blocking, _) | (_, ProcessingOrder::Unordered) => Gating::Off,
-        (RetryPolicy::RetryTopic, ProcessingOrder::Key) => Gating::Hold,
-        (RetryPolicy::RetryTopic, ProcessingOrder::Offset) => Gating::Park,
-    };
+    let gating = gating_of(p.retry_policy, p.order, shared.exactly_once());
     let keyed = gating != Gating::Off;
     let retry_done_kept = retry_done.clone();
     let backlog = RetryBacklog::scan(
@@ -184,6 +180,21 @@ pub(crate) fn plan(
 /// Where a task resumes: its source offset and retry offset (`None`: none
 /// committed), and the final retry offsets above the latter.
 type Positions = (Option<u64>, Option<u64>, Vec<u64>);
+
+/// How a task keeps a key's later records behind one on the retry path.
+/// `key` order holds them in memory, except under exactly-once: there a
+/// retry entry can be read only once the transaction that wrote it commits,
+/// and a commit waits until every fetched record is complete, held ones
+/// included, so each would wait for the other for good. Parked records
+/// complete at once (their entries wait on the retry topic), as in `offset`
+/// order.
+fn gating_of(policy: RetryPolicy, order: ProcessingOrder, exactly_once: bool) -> Gating {
+    match (policy, order) {
+        (RetryPolicy::Blocking, _) | (_, ProcessingOrder::Unordered) => Gating::Off,
+        (RetryPolicy::RetryTopic, ProcessingOrder::Key) if !exactly_once => Gating::Hold,
+        (RetryPolicy::RetryTopic, ProcessingOrder::Key | ProcessingOrder::Offset) => Gating::Park,
+    }
+}
 
 /// The positions (source, retry, final retries) a task on Kafka resumes at.
 /// The group's committed offsets are where the partition's last owner
