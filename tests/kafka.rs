@@ -862,8 +862,10 @@ fn sink_outputs_reach_kafka_in_transactions_with_exactly_once_v2() {
 /// fetched record, so a failed key's later records park on the retry topic
 /// (held in memory, they and the commit waited for each other for good:
 /// batch 0 never finished). The retry partition, written in transactions,
-/// holds a marker after each one's entries. Every record is counted exactly
-/// once, batch after batch.
+/// holds a marker after each one's entries: the committed retry position
+/// passes them (it stopped at the first one, 40 of 205, and a restart would
+/// have run every later entry again). Every record is counted exactly once,
+/// batch after batch.
 #[test]
 fn exactly_once_v2_retries_in_key_order_count_every_record_once() {
     use taskstream_server::{ProcessError, ProcessorContext, ProducerRecord, Record, StreamsApp};
@@ -930,6 +932,23 @@ fn exactly_once_v2_retries_in_key_order_count_every_record_once() {
         }
     }
     app.shutdown().expect("shutdown commits");
+    // The committed retry position passes every entry: all but the last
+    // transaction's marker (no read reports that one) are behind it.
+    let reader = taskstream_server::log::KafkaLog::with_settings(&broker.bootstrap, &BTreeMap::new(), 1)
+        .expect("connect to the broker");
+    use taskstream_server::Log as _;
+    let retry = format!("{application}-counts-retry");
+    for partition in 0..2 {
+        let end = reader.end_offset(&retry, partition).unwrap();
+        let committed = reader
+            .committed(&application, &retry, partition)
+            .unwrap()
+            .unwrap_or(0);
+        assert!(
+            committed + 1 >= end,
+            "partition {partition}: retry position {committed} of {end}"
+        );
+    }
 }
 
 /// State moves with its partition: one instance counts into persistent
