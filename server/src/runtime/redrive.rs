@@ -128,11 +128,8 @@ fn append_gated(
     let keys: Vec<Bytes> = records.iter().filter_map(|r| r.key.clone()).collect();
     shared.lock().gate_retry_keys(pipeline, partition, &keys);
     shared.log.append(retry, records).map_err(|error| {
-        let scheduler = {
-            let mut scheduler = shared.lock();
-            scheduler.ungate_retry_keys(pipeline, partition, &keys);
-            scheduler
-        };
+        let mut scheduler = shared.lock();
+        scheduler.ungate_retry_keys(pipeline, partition, &keys);
         // Held records may have gone back to their lanes.
         shared.wake_waiters(&scheduler);
         RuntimeError::from(error)

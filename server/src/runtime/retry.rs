@@ -139,29 +139,25 @@ impl EntryFields<'_> {
     /// one with room to spare costs it an allocation of its own.
     fn encode(&self) -> Bytes {
         let numbers = [
-            unsigned_len(u64::from(self.partition)),
-            unsigned_len(self.offset),
-            signed_len(self.timestamp_ms),
-            unsigned_len(u64::from(self.attempts)),
-            signed_len(self.first_failure_ms),
-            signed_len(self.last_failure_ms),
-            unsigned_len(self.exception.len() as u64),
+            Number::unsigned(u64::from(self.partition)),
+            Number::unsigned(self.offset),
+            Number::signed(self.timestamp_ms),
+            Number::unsigned(u64::from(self.attempts)),
+            Number::signed(self.first_failure_ms),
+            Number::signed(self.last_failure_ms),
+            Number::unsigned(self.exception.len() as u64),
         ];
         let len = ENTRY_VERSION.len()
-            + numbers.iter().sum::<usize>()
+            + numbers.iter().map(Number::len).sum::<usize>()
             + 1
             + self.exception.len()
             + 1
             + self.message.len();
         let mut text = Vec::with_capacity(len);
         text.extend_from_slice(ENTRY_VERSION.as_bytes());
-        push_unsigned(&mut text, u64::from(self.partition));
-        push_unsigned(&mut text, self.offset);
-        push_signed(&mut text, self.timestamp_ms);
-        push_unsigned(&mut text, u64::from(self.attempts));
-        push_signed(&mut text, self.first_failure_ms);
-        push_signed(&mut text, self.last_failure_ms);
-        push_unsigned(&mut text, self.exception.len() as u64);
+        for number in numbers {
+            number.push(&mut text);
+        }
         text.push(b' ');
         text.extend_from_slice(self.exception.as_bytes());
         text.push(b' ');
@@ -171,29 +167,39 @@ impl EntryFields<'_> {
     }
 }
 
-/// Bytes `push_unsigned` appends for `value`: a space and its digits.
-fn unsigned_len(value: u64) -> usize {
-    1 + value.checked_ilog10().map_or(1, |log| log as usize + 1)
+/// One number of an entry, written in decimal after a space, `-` first when negative.
+struct Number {
+    negative: bool,
+    magnitude: u64,
 }
 
-/// Bytes `push_signed` appends for `value`: a space, a `-` if negative, its digits.
-fn signed_len(value: i64) -> usize {
-    usize::from(value < 0) + unsigned_len(value.unsigned_abs())
-}
-
-/// Appends a space and `value` in decimal.
-fn push_unsigned(text: &mut Vec<u8>, value: u64) {
-    text.push(b' ');
-    push_digits(text, value);
-}
-
-/// Appends a space and `value` in decimal, `-` first when negative.
-fn push_signed(text: &mut Vec<u8>, value: i64) {
-    text.push(b' ');
-    if value < 0 {
-        text.push(b'-');
+impl Number {
+    fn unsigned(value: u64) -> Number {
+        Number {
+            negative: false,
+            magnitude: value,
+        }
     }
-    push_digits(text, value.unsigned_abs());
+
+    fn signed(value: i64) -> Number {
+        Number {
+            negative: value < 0,
+            magnitude: value.unsigned_abs(),
+        }
+    }
+
+    /// The bytes `push` appends.
+    fn len(&self) -> usize {
+        1 + usize::from(self.negative) + self.magnitude.checked_ilog10().map_or(1, |log| log as usize + 1)
+    }
+
+    fn push(&self, text: &mut Vec<u8>) {
+        text.push(b' ');
+        if self.negative {
+            text.push(b'-');
+        }
+        push_digits(text, self.magnitude);
+    }
 }
 
 fn push_digits(text: &mut Vec<u8>, value: u64) {
@@ -219,7 +225,7 @@ fn next_field<'a>(rest: &mut &'a [u8]) -> Option<&'a [u8]> {
     Some(field)
 }
 
-/// A decimal without sign (what `push_unsigned` writes), or `None`.
+/// A decimal without sign (what `Number::push` writes of an unsigned number), or `None`.
 fn parse_unsigned(field: &[u8]) -> Option<u64> {
     if field.is_empty() {
         return None;
@@ -230,7 +236,7 @@ fn parse_unsigned(field: &[u8]) -> Option<u64> {
     })
 }
 
-/// A decimal with an optional `-` (what `push_signed` writes), or `None`.
+/// A decimal with an optional `-` (what `Number::push` writes of a signed one), or `None`.
 fn parse_signed(field: &[u8]) -> Option<i64> {
     match field.split_first() {
         Some((b'-', digits)) => 0i64.checked_sub_unsigned(parse_unsigned(digits)?),

@@ -81,8 +81,8 @@ impl<T> Sequencer<T> {
     /// records: `fetched_at` without gaps, for tests.
     #[cfg(test)]
     pub(crate) fn fetched(&mut self, count: usize) {
-        self.slots.extend((0..count).map(|_| Slot::Pending));
-        self.pending += count;
+        let end = self.fetched_end();
+        self.fetched_at(end..end + count as u64);
     }
 
     /// Records fetched records at `offsets` (ascending, from `fetched_end()`
