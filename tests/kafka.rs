@@ -951,6 +951,116 @@ fn exactly_once_v2_retries_in_key_order_count_every_record_once() {
     }
 }
 
+/// Under exactly-once, retry entries that became final above the committed
+/// retry position (behind one still waiting out a long backoff) are not run
+/// again by the instance that takes the partition next: the position's
+/// offset commit carries them. Before, the new owner ran them all again and
+/// counted each of those records twice.
+#[test]
+fn exactly_once_v2_final_retries_above_the_retry_position_are_not_run_again() {
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+    use taskstream_server::{ProcessError, ProcessorContext, ProducerRecord, Record, StreamsApp};
+    let Some(broker) = broker() else { return };
+    let application = unique("eos-retry-done");
+    let topic = format!("{application}-events");
+    let mut config = group_config(
+        broker,
+        &application,
+        &topic,
+        1,
+        taskstream_server::GroupProtocol::Consumer,
+    );
+    config.processing_order = taskstream_server::ProcessingOrder::Unordered;
+    config.processing_guarantee = taskstream_server::ProcessingGuarantee::ExactlyOnceV2;
+    config.retry_backoff_ms = 100;
+    config.retry_backoff_max_ms = 600_000;
+    config.retry_max_attempts = 1_000;
+    config.pipelines[0].processor = taskstream_server::ProcessorSpec::Custom { name: "flaky".into() };
+    // `slow` fails until healed; every other record fails its first attempt.
+    let healed = std::sync::Arc::new(AtomicBool::new(false));
+    let slow_failures = std::sync::Arc::new(AtomicU32::new(0));
+    let processor = {
+        let (healed, slow_failures) = (healed.clone(), slow_failures.clone());
+        std::sync::Arc::new(move |record: &Record, ctx: &ProcessorContext<'_>| {
+            let key = record.key.as_deref().unwrap_or_default();
+            if key == b"slow" && !healed.load(Ordering::SeqCst) {
+                slow_failures.fetch_add(1, Ordering::SeqCst);
+                return Err(ProcessError::new("Slow", "not yet"));
+            }
+            if key != b"slow" && ctx.attempt == 1 {
+                return Err(ProcessError::new("Flaky", "first attempt"));
+            }
+            ctx.store.update(key, &mut |old| {
+                let n: u64 = old.map_or(0, |v| std::str::from_utf8(v).unwrap().parse().unwrap());
+                Some(bytes::Bytes::from((n + 1).to_string()))
+            })?;
+            Ok::<(), ProcessError>(())
+        })
+    };
+    let count_of = |app: &StreamsApp, key: &str| -> u64 {
+        app.get("counts", key.as_bytes())
+            .ok()
+            .flatten()
+            .map_or(0, |v| std::str::from_utf8(&v).unwrap().parse().unwrap())
+    };
+    let fast_keys: Vec<String> = (0..50).map(|i| format!("fast-{i}")).collect();
+
+    let first = StreamsApp::builder(config.clone())
+        .processor("flaky", processor.clone())
+        .start()
+        .expect("start the first instance");
+    eventually("the first instance hosts the partition", || {
+        first.hosted_partitions("counts").unwrap().len() == 1
+    });
+    first
+        .produce(&topic, vec![ProducerRecord::keyed("slow", "1")])
+        .expect("produce");
+    // After its 6th failure `slow` waits 3.2-6.4 s (100 ms doubling, jittered
+    // by half at most): long enough for the others to finish behind it.
+    eventually("slow failed 6 times", || {
+        slow_failures.load(Ordering::SeqCst) >= 6
+    });
+    let records = fast_keys
+        .iter()
+        .map(|key| ProducerRecord::keyed(key.clone(), "1"))
+        .collect();
+    first.produce(&topic, records).expect("produce");
+    eventually("every fast record counted after its retry", || {
+        fast_keys.iter().all(|key| count_of(&first, key) == 1)
+    });
+    first.shutdown().expect("the first instance commits as it leaves");
+
+    let reader = taskstream_server::log::KafkaLog::with_settings(&broker.bootstrap, &BTreeMap::new(), 1)
+        .expect("connect to the broker");
+    use taskstream_server::Log as _;
+    let retry = format!("{application}-counts-retry");
+    let end = reader.end_offset(&retry, 0).unwrap();
+    let position = reader.committed(&application, &retry, 0).unwrap().unwrap_or(0);
+    assert!(
+        position + fast_keys.len() as u64 <= end,
+        "the fast records' entries are above the retry position (`slow`'s): position {position}, end {end}"
+    );
+
+    healed.store(true, Ordering::SeqCst);
+    let second = StreamsApp::builder(config)
+        .processor("flaky", processor)
+        .start()
+        .expect("start the second instance");
+    eventually("the second instance counts slow", || {
+        count_of(&second, "slow") == 1
+    });
+    // Every entry final and committed: nothing is left to run again.
+    eventually("the retry position passes every entry", || {
+        reader.committed(&application, &retry, 0).unwrap().unwrap_or(0) + 1 >= end
+    });
+    for key in &fast_keys {
+        assert_eq!(count_of(&second, key), 1, "{key} counted once");
+    }
+    second
+        .shutdown()
+        .expect("the second instance commits as it leaves");
+}
+
 /// State moves with its partition: one instance counts into persistent
 /// stores; a second one with an empty data dir takes every partition over
 /// and answers the same counts, restored from the changelog (the group's

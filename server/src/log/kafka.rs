@@ -1060,35 +1060,13 @@ impl Log for KafkaLog {
     }
 
     fn commit(&self, group: &str, topic: &str, partition: u32, offset: u64) -> Result<(), LogError> {
-        self.check_partition(topic, partition)?;
-        let mut offsets = TopicPartitionList::new();
-        offsets
-            .add_partition_offset(topic, partition as i32, Offset::Offset(offset as i64))
-            .map_err(unavailable("commit"))?;
-        match self.member(group) {
-            // A KIP-848 group refuses commits from a client that is not a
-            // member; Kafka accepts a member's commit of any partition.
-            Some(member) => member.consumer.commit(&offsets, CommitMode::Sync),
-            None => self.committer(group)?.commit(&offsets, CommitMode::Sync),
-        }
-        .map_err(unavailable("commit"))
+        self.commit_with_metadata(group, topic, partition, offset, "")
     }
 
     fn committed(&self, group: &str, topic: &str, partition: u32) -> Result<Option<u64>, LogError> {
-        self.check_partition(topic, partition)?;
-        let mut wanted = TopicPartitionList::new();
-        wanted.add_partition(topic, partition as i32);
-        let answer = self
-            .committer(group)?
-            .committed_offsets(wanted, REQUEST_TIMEOUT)
-            .map_err(unavailable("committed offsets"))?;
-        let committed = answer
-            .find_partition(topic, partition as i32)
-            .and_then(|element| match element.offset() {
-                Offset::Offset(offset) if offset >= 0 => Some(offset as u64),
-                _ => None,
-            });
-        Ok(committed)
+        Ok(self
+            .committed_with_metadata(group, topic, partition)?
+            .map(|(offset, _)| offset))
     }
 
     fn as_kafka(&self) -> Option<&KafkaLog> {
@@ -1461,15 +1439,68 @@ impl KafkaLog {
         Ok(())
     }
 
+    /// `Log::commit` with `metadata` stored beside the offset (Kafka keeps
+    /// up to `offset.metadata.max.bytes`, 4,096 by default).
+    pub fn commit_with_metadata(
+        &self,
+        group: &str,
+        topic: &str,
+        partition: u32,
+        offset: u64,
+        metadata: &str,
+    ) -> Result<(), LogError> {
+        self.check_partition(topic, partition)?;
+        let mut offsets = TopicPartitionList::new();
+        offsets
+            .add_partition_offset(topic, partition as i32, Offset::Offset(offset as i64))
+            .map_err(unavailable("commit"))?;
+        set_metadata(&mut offsets, topic, partition, metadata);
+        match self.member(group) {
+            // A KIP-848 group refuses commits from a client that is not a
+            // member; Kafka accepts a member's commit of any partition.
+            Some(member) => member.consumer.commit(&offsets, CommitMode::Sync),
+            None => self.committer(group)?.commit(&offsets, CommitMode::Sync),
+        }
+        .map_err(unavailable("commit"))
+    }
+
+    /// `Log::committed` with the metadata committed beside the offset.
+    pub fn committed_with_metadata(
+        &self,
+        group: &str,
+        topic: &str,
+        partition: u32,
+    ) -> Result<Option<(u64, String)>, LogError> {
+        self.check_partition(topic, partition)?;
+        let mut wanted = TopicPartitionList::new();
+        wanted.add_partition(topic, partition as i32);
+        let answer = self
+            .committer(group)?
+            .committed_offsets(wanted, REQUEST_TIMEOUT)
+            .map_err(unavailable("committed offsets"))?;
+        let committed = answer
+            .find_partition(topic, partition as i32)
+            .and_then(|element| match element.offset() {
+                // The broker (Java) keeps metadata as a string and answers it
+                // as UTF-8 whatever bytes a client sent, so `metadata()`,
+                // which panics on anything else, is safe here.
+                Offset::Offset(offset) if offset >= 0 => {
+                    Some((offset as u64, element.metadata().to_string()))
+                }
+                _ => None,
+            });
+        Ok(committed)
+    }
+
     /// Commits the open transaction of `transactional_id` with the group's
-    /// `offsets` (topic, partition, next offset; sent with the group's
+    /// `offsets` (topic, partition, next offset, metadata; sent with the group's
     /// metadata, so a fenced member cannot commit), then opens the next.
     /// On failure the transaction is aborted — its writes are gone — and a
     /// new one opened.
     pub fn commit_transaction(
         &self,
         transactional_id: &str,
-        offsets: &[(&str, u32, u64)],
+        offsets: &[(&str, u32, u64, &str)],
     ) -> Result<(), LogError> {
         let transaction = self.transaction(transactional_id)?;
         let group = self
@@ -1483,9 +1514,10 @@ impl KafkaLog {
             .group_metadata()
             .ok_or_else(|| LogError::Unavailable("the group has no metadata yet".into()))?;
         let mut list = TopicPartitionList::new();
-        for (topic, partition, offset) in offsets {
+        for (topic, partition, offset, offset_metadata) in offsets {
             list.add_partition_offset(topic, *partition as i32, Offset::Offset(*offset as i64))
                 .map_err(unavailable("offsets"))?;
+            set_metadata(&mut list, topic, *partition, offset_metadata);
         }
         let _alone = transaction.gate.write().unwrap_or_else(|e| e.into_inner());
         let producer = &transaction.producer;
@@ -1861,6 +1893,17 @@ fn client_error(what: &'static str) -> impl Fn(KafkaError) -> LogError {
     move |e| LogError::Unavailable(format!("cannot create the Kafka {what}: {e}"))
 }
 
+/// Sets the metadata committed with `topic`/`partition` of `offsets` (added
+/// before); an empty one is left unset, as a plain commit sends it.
+fn set_metadata(offsets: &mut TopicPartitionList, topic: &str, partition: u32, metadata: &str) {
+    if metadata.is_empty() {
+        return;
+    }
+    if let Some(mut element) = offsets.find_partition(topic, partition as i32) {
+        element.set_metadata(metadata);
+    }
+}
+
 fn unavailable(what: &'static str) -> impl Fn(KafkaError) -> LogError {
     move |e| LogError::Unavailable(format!("kafka {what}: {e}"))
 }
@@ -2040,6 +2083,27 @@ mod tests {
     fn contract_commits_are_per_group_and_partition() {
         let Some(broker) = broker() else { return };
         contract::commits_are_per_group_and_partition(&Namespaced::new(connect(&broker.bootstrap)));
+    }
+
+    /// An offset commit keeps the metadata sent with it; a plain commit
+    /// after it keeps none.
+    #[test]
+    fn committed_offsets_keep_their_metadata() {
+        let Some(broker) = broker() else { return };
+        let log = connect(&broker.bootstrap);
+        let (topic, group) = (unique("metadata-topic"), unique("metadata-group"));
+        log.ensure_topic(&topic, 1).unwrap();
+        assert_eq!(log.committed_with_metadata(&group, &topic, 0).unwrap(), None);
+        log.commit_with_metadata(&group, &topic, 0, 5, "rd1:AB").unwrap();
+        assert_eq!(
+            log.committed_with_metadata(&group, &topic, 0).unwrap(),
+            Some((5, "rd1:AB".to_string()))
+        );
+        log.commit(&group, &topic, 0, 6).unwrap();
+        assert_eq!(
+            log.committed_with_metadata(&group, &topic, 0).unwrap(),
+            Some((6, String::new()))
+        );
     }
 
     /// Keys land where Kafka's Java client puts them: librdkafka's

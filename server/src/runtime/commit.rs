@@ -310,15 +310,35 @@ fn seal(shared: &Shared, item: &CommitItem, checkpoint: &Checkpoint) -> Result<(
         return Err("exactly_once_v2 needs Kafka".to_string());
     };
     let pipeline = &shared.pipelines[item.pipeline];
+    let retry_done = retry_done_metadata(item, checkpoint.retry_offset, &checkpoint.retry_done);
     kafka
         .commit_transaction(
             &shared.transactional_id(&item.task_id),
             &[
-                (&pipeline.topic, item.partition, checkpoint.watermark),
-                (&pipeline.retry_topic, item.partition, checkpoint.retry_offset),
+                (&pipeline.topic, item.partition, checkpoint.watermark, ""),
+                (
+                    &pipeline.retry_topic,
+                    item.partition,
+                    checkpoint.retry_offset,
+                    &retry_done,
+                ),
             ],
         )
         .map_err(|e| e.to_string())
+}
+
+/// The final retry entries above `position`, as the metadata of its offset
+/// commit on Kafka (see `retry_done`); warns about any left off.
+fn retry_done_metadata(item: &CommitItem, position: u64, done: &[u64]) -> String {
+    let (metadata, left_off) = super::retry_done::encode(position, done);
+    if left_off > 0 {
+        tracing::warn!(
+            task = %item.task_id, position, left_off,
+            "final retry entries too far past the retry position for the offset commit's metadata: \
+             an instance that takes the partition over runs them again"
+        );
+    }
+    metadata
 }
 
 /// Writes a task's positions (source and retry) to the log's committed
@@ -333,11 +353,24 @@ fn commit_positions(shared: &Shared, item: &CommitItem) -> Result<(), String> {
             .commit(group, &pipeline.topic, item.partition, item.offset)
             .map_err(|e| e.to_string())?;
     }
-    if item.retry_offset != item.committed_retry_offset {
-        shared
-            .log
-            .commit(group, &pipeline.retry_topic, item.partition, item.retry_offset)
-            .map_err(|e| e.to_string())?;
+    if item.retry_offset != item.committed_retry_offset || item.retry_done.len() != item.committed_retry_done
+    {
+        match shared.log.as_kafka() {
+            // Whichever instance resumes the task reads the final entries
+            // above the position from here (the local checkpoint is this
+            // instance's alone).
+            Some(kafka) => kafka.commit_with_metadata(
+                group,
+                &pipeline.retry_topic,
+                item.partition,
+                item.retry_offset,
+                &retry_done_metadata(item, item.retry_offset, &item.retry_done),
+            ),
+            None => shared
+                .log
+                .commit(group, &pipeline.retry_topic, item.partition, item.retry_offset),
+        }
+        .map_err(|e| e.to_string())?;
     }
     Ok(())
 }

@@ -10,6 +10,7 @@
 //!   `remote_calls` cuts a unit into calls of a remote processor.
 //! - `commit`, `recovery`: commit rounds and final commits; where a task resumes.
 //! - `retry`, `retry_queue`: the retry topic's format, and each task's queue of it.
+//!   `retry_done`: the final entries above a retry position, in Kafka offset metadata.
 //! - `changelog`: a store's changelog on Kafka (sent at commits, restored from).
 //! - `sink`: output records on their way to the pipeline's sink topic, in its order.
 //! - `subscription`: outcome feeds and subscribers.
@@ -37,6 +38,7 @@ mod recovery;
 mod redrive;
 mod remote_calls;
 pub mod retry;
+mod retry_done;
 mod retry_queue;
 mod scheduler;
 mod sequencer;

@@ -11,12 +11,14 @@
 use super::RuntimeError;
 use super::changelog::Changelog;
 use super::retry::RetryBacklog;
+use super::retry_done;
 use super::retry_queue::RetryQueue;
 use super::shared::Shared;
 use super::stores::TaskStore;
 use super::task::{Restore, TaskInit, task_id};
 use super::work::{Gating, HoldLimits};
 use crate::config::{ProcessingOrder, RetryPolicy, StoreKind};
+use crate::log::KafkaLog;
 use crate::metrics::TaskMeters;
 use crate::store::Checkpoint;
 use std::sync::Arc;
@@ -84,8 +86,8 @@ pub(crate) fn plan(
     let retry_end = log.end_offset(&p.retry_topic, partition)?;
     let checkpoint = store.checkpoint();
     let (committed, retry_committed, retry_done) = match (&checkpoint, store.persistent()) {
-        _ if log.as_kafka().is_some() => {
-            kafka_positions(shared, pipeline, partition, start, checkpoint.as_ref())?
+        _ if let Some(kafka) = log.as_kafka() => {
+            kafka_positions(shared, kafka, pipeline, partition, start, checkpoint.as_ref())?
         }
         (Some(c), _) => (Some(c.watermark), Some(c.retry_offset), c.retry_done.clone()),
         (None, Some(_)) => (start, None, Vec::new()),
@@ -204,9 +206,11 @@ fn gating_of(policy: RetryPolicy, order: ProcessingOrder, exactly_once: bool) ->
 /// leaves the group behind, and the checkpoint (whose writes reached the
 /// changelog before it was written) is then the newer. Under exactly-once
 /// the group's offsets always win: they commit with the transaction, before
-/// the checkpoint.
+/// the checkpoint. The group's retry offset carries the final entries above
+/// it in its metadata (see `retry_done`).
 fn kafka_positions(
     shared: &Shared,
+    kafka: &KafkaLog,
     pipeline: usize,
     partition: u32,
     start: Option<u64>,
@@ -223,11 +227,10 @@ fn kafka_positions(
         Some(c) if !shared.exactly_once() && source.is_none_or(|g| c.watermark > g) => {
             (Some(c.watermark), Some(c.retry_offset), c.retry_done.clone())
         }
-        _ => (
-            source,
-            log.committed(group, &p.retry_topic, partition)?,
-            Vec::new(),
-        ),
+        _ => match kafka.committed_with_metadata(group, &p.retry_topic, partition)? {
+            Some((retry, metadata)) => (source, Some(retry), retry_done::decode(retry, &metadata)),
+            None => (source, None, Vec::new()),
+        },
     })
 }
 

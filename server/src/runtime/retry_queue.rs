@@ -135,6 +135,11 @@ impl RetryQueue {
         self.committed
     }
 
+    /// How many final offsets above `committed()` the last commit recorded.
+    pub(crate) fn committed_done(&self) -> usize {
+        self.committed_done
+    }
+
     /// Items attempted by threads right now.
     pub(crate) fn in_progress(&self) -> usize {
         self.in_progress

@@ -395,6 +395,14 @@ impl Task {
         self.store.persistent().is_some()
     }
 
+    /// Whether the store's state outlives the task — persistent, or restored
+    /// from its changelog (Kafka) — rather than rebuilt from the source log:
+    /// then the final retry entries above the retry position are committed
+    /// too, since their writes are in that state and must not run again.
+    fn state_outlives_task(&self) -> bool {
+        self.is_persistent() || self.store.changelog().is_some()
+    }
+
     /// How the task keeps a key's later records behind one on the retry path.
     pub(crate) fn gating(&self) -> Gating {
         self.work.gating()
@@ -737,7 +745,7 @@ impl Task {
     /// Whether a watermark moved since the last commit.
     pub(crate) fn has_uncommitted(&self) -> bool {
         self.seq.watermark() != self.committed
-            || if self.is_persistent() {
+            || if self.state_outlives_task() {
                 self.retry.has_uncommitted()
             } else {
                 self.retry.watermark() != self.retry.committed()
@@ -822,10 +830,11 @@ impl Task {
     }
 
     /// Positions to commit now: source watermark, retry watermark, and (for
-    /// a persistent store) the final retry offsets above the latter.
+    /// a store whose state outlives the task) the final retry offsets above
+    /// the latter.
     pub(crate) fn commit_positions(&self) -> (u64, u64, Vec<u64>) {
         let watermark = self.seq.watermark();
-        if !self.is_persistent() {
+        if !self.state_outlives_task() {
             // A memory store is rebuilt without the final entries above the
             // retry position, and they run again: once in all.
             return (watermark, self.retry.watermark(), Vec::new());

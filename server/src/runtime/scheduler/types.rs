@@ -137,7 +137,8 @@ pub(crate) struct CommitItem {
     pub(crate) offset: u64,
     /// The retry-topic watermark committed with it.
     pub(crate) retry_offset: u64,
-    /// Final retry offsets above `retry_offset` (persistent stores only).
+    /// Final retry offsets above `retry_offset` (stores whose state outlives
+    /// the task: persistent, or restored from a changelog).
     pub(crate) retry_done: Vec<u64>,
     pub(crate) store: Option<Arc<TaskStore>>,
     /// A memory store with a changelog: the keys it wrote are sent there
@@ -148,6 +149,8 @@ pub(crate) struct CommitItem {
     /// The positions committed before, so a log commit writes only what moved.
     pub(crate) committed_offset: u64,
     pub(crate) committed_retry_offset: u64,
+    /// How many final retry offsets the last commit recorded.
+    pub(crate) committed_retry_done: usize,
 }
 
 pub(crate) enum Pick {
@@ -256,6 +259,7 @@ impl CommitItem {
             sink: task.sink().cloned(),
             committed_offset: task.committed(),
             committed_retry_offset: task.retry().committed(),
+            committed_retry_done: task.retry().committed_done(),
         }
     }
 }
