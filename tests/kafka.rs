@@ -867,6 +867,48 @@ fn sink_outputs_reach_kafka_in_transactions_with_exactly_once_v2() {
     sink_outputs_reach_kafka(taskstream_server::ProcessingGuarantee::ExactlyOnceV2);
 }
 
+/// An exactly_once_v2 application of `partitions` partitions whose pipeline
+/// `counts` runs the custom processor `flaky` in `order`.
+fn exactly_once_config(
+    broker: &common::kafka::Broker,
+    application: &str,
+    topic: &str,
+    partitions: u32,
+    order: taskstream_server::ProcessingOrder,
+) -> taskstream_server::Config {
+    let mut config = group_config(
+        broker,
+        application,
+        topic,
+        partitions,
+        taskstream_server::GroupProtocol::Consumer,
+    );
+    config.processing_order = order;
+    config.processing_guarantee = taskstream_server::ProcessingGuarantee::ExactlyOnceV2;
+    config.pipelines[0].processor = taskstream_server::ProcessorSpec::Custom { name: "flaky".into() };
+    config
+}
+
+/// Adds one to `key`'s count (a decimal) in the processor's store.
+fn count_one(
+    ctx: &taskstream_server::ProcessorContext<'_>,
+    key: &[u8],
+) -> Result<(), taskstream_server::ProcessError> {
+    ctx.store.update(key, &mut |old| {
+        let n: u64 = old.map_or(0, |v| std::str::from_utf8(v).unwrap().parse().unwrap());
+        Some(bytes::Bytes::from((n + 1).to_string()))
+    })?;
+    Ok(())
+}
+
+/// `key`'s count in the store `counts` of `app` (0 if none yet).
+fn count_in(app: &taskstream_server::StreamsApp, key: &str) -> u64 {
+    app.get("counts", key.as_bytes())
+        .ok()
+        .flatten()
+        .map_or(0, |v| std::str::from_utf8(&v).unwrap().parse().unwrap())
+}
+
 /// Failures under exactly_once_v2 in `key` order, T = 2: a retry entry is
 /// readable once its transaction commits, and a commit waits for every
 /// fetched record, so a failed key's later records park on the retry topic
@@ -882,31 +924,23 @@ fn exactly_once_v2_retries_in_key_order_count_every_record_once() {
     let Some(broker) = broker() else { return };
     let application = unique("eos-retries");
     let topic = format!("{application}-events");
-    let mut config = group_config(
+    let mut config = exactly_once_config(
         broker,
         &application,
         &topic,
         2,
-        taskstream_server::GroupProtocol::Consumer,
+        taskstream_server::ProcessingOrder::Key,
     );
     config.num_threads_per_task = 2;
-    config.processing_order = taskstream_server::ProcessingOrder::Key;
-    config.processing_guarantee = taskstream_server::ProcessingGuarantee::ExactlyOnceV2;
     config.retry_backoff_ms = 20;
     config.retry_backoff_max_ms = 40;
-    config.pipelines[0].processor = taskstream_server::ProcessorSpec::Custom { name: "flaky".into() };
     // Counts per key; a tenth of the records fail their first attempt.
     let processor = std::sync::Arc::new(|record: &Record, ctx: &ProcessorContext<'_>| {
         let value: u64 = std::str::from_utf8(&record.value).unwrap().parse().unwrap();
         if value % 10 == 3 && ctx.attempt == 1 {
             return Err(ProcessError::new("Flaky", "first attempt"));
         }
-        ctx.store
-            .update(record.key.as_deref().unwrap_or_default(), &mut |old| {
-                let n: u64 = old.map_or(0, |v| std::str::from_utf8(v).unwrap().parse().unwrap());
-                Some(bytes::Bytes::from((n + 1).to_string()))
-            })?;
-        Ok::<(), ProcessError>(())
+        count_one(ctx, record.key.as_deref().unwrap_or_default())
     });
     let app = StreamsApp::builder(config)
         .processor("flaky", processor)
@@ -916,12 +950,7 @@ fn exactly_once_v2_retries_in_key_order_count_every_record_once() {
         app.hosted_partitions("counts").unwrap().len() == 2
     });
     let keys = 20;
-    let count_of = |key: usize| -> u64 {
-        app.get("counts", format!("key-{key}").as_bytes())
-            .ok()
-            .flatten()
-            .map_or(0, |v| std::str::from_utf8(&v).unwrap().parse().unwrap())
-    };
+    let count_of = |key: usize| count_in(&app, &format!("key-{key}"));
     // Batches apart, so their retries go into different transactions.
     for batch in 0..5u64 {
         let records: Vec<ProducerRecord> = (batch * 400..(batch + 1) * 400)
@@ -973,19 +1002,16 @@ fn exactly_once_v2_final_retries_above_the_retry_position_are_not_run_again() {
     let Some(broker) = broker() else { return };
     let application = unique("eos-retry-done");
     let topic = format!("{application}-events");
-    let mut config = group_config(
+    let mut config = exactly_once_config(
         broker,
         &application,
         &topic,
         1,
-        taskstream_server::GroupProtocol::Consumer,
+        taskstream_server::ProcessingOrder::Unordered,
     );
-    config.processing_order = taskstream_server::ProcessingOrder::Unordered;
-    config.processing_guarantee = taskstream_server::ProcessingGuarantee::ExactlyOnceV2;
     config.retry_backoff_ms = 100;
     config.retry_backoff_max_ms = 600_000;
     config.retry_max_attempts = 1_000;
-    config.pipelines[0].processor = taskstream_server::ProcessorSpec::Custom { name: "flaky".into() };
     // `slow` fails until healed; every other record fails its first attempt.
     let healed = std::sync::Arc::new(AtomicBool::new(false));
     let slow_failures = std::sync::Arc::new(AtomicU32::new(0));
@@ -1000,19 +1026,10 @@ fn exactly_once_v2_final_retries_above_the_retry_position_are_not_run_again() {
             if key != b"slow" && ctx.attempt == 1 {
                 return Err(ProcessError::new("Flaky", "first attempt"));
             }
-            ctx.store.update(key, &mut |old| {
-                let n: u64 = old.map_or(0, |v| std::str::from_utf8(v).unwrap().parse().unwrap());
-                Some(bytes::Bytes::from((n + 1).to_string()))
-            })?;
-            Ok::<(), ProcessError>(())
+            count_one(ctx, key)
         })
     };
-    let count_of = |app: &StreamsApp, key: &str| -> u64 {
-        app.get("counts", key.as_bytes())
-            .ok()
-            .flatten()
-            .map_or(0, |v| std::str::from_utf8(&v).unwrap().parse().unwrap())
-    };
+    let count_of = count_in;
     let fast_keys: Vec<String> = (0..50).map(|i| format!("fast-{i}")).collect();
 
     let first = StreamsApp::builder(config.clone())
