@@ -6,7 +6,7 @@
 use bytes::Bytes;
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 use taskstream_server::scratch::scratch_dir;
 use taskstream_server::*;
@@ -209,11 +209,13 @@ fn with_slow_records_outcomes_flow_before_a_whole_batch_is_done() {
     );
 }
 
-/// A log whose commits fail, or whose first reads fail.
+/// A log whose commits fail, or whose first reads fail, or whose appends to
+/// retry topics fail while `failing_retry_appends` is set.
 struct FaultyLog {
     inner: Arc<MemoryLog>,
     fail_commits: bool,
     failing_reads: AtomicUsize,
+    failing_retry_appends: AtomicBool,
 }
 
 impl Log for FaultyLog {
@@ -224,6 +226,9 @@ impl Log for FaultyLog {
         self.inner.partitions(topic)
     }
     fn append(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<Vec<RecordPosition>, LogError> {
+        if topic.ends_with("-retry") && self.failing_retry_appends.load(Ordering::SeqCst) {
+            return Err(LogError::Unavailable("injected append failure".into()));
+        }
         self.inner.append(topic, records)
     }
     fn read(
@@ -280,7 +285,63 @@ fn faulty(fail_commits: bool, failing_reads: usize) -> Arc<FaultyLog> {
         inner: MemoryLog::new(),
         fail_commits,
         failing_reads: AtomicUsize::new(failing_reads),
+        failing_retry_appends: AtomicBool::new(false),
     })
+}
+
+/// A failed record whose retry entry cannot be appended (the log is down)
+/// when the app shuts down is not lost: it goes back undone, the final
+/// commit stops before it, and after a restart it runs again from the
+/// source. (It used to end `failed`, and the commit passed it.)
+#[test]
+fn a_failed_record_whose_retry_cannot_be_appended_at_shutdown_runs_after_a_restart() {
+    let log = faulty(false, 0);
+    log.failing_retry_appends.store(true, Ordering::SeqCst);
+    let (failed, failures) = std::sync::mpsc::channel();
+    let processor: Arc<dyn Processor> = Arc::new(move |record: &Record, ctx: &ProcessorContext<'_>| {
+        if record.value == "bad" && ctx.attempt == 1 && failed.send(()).is_ok() {
+            return Err(ProcessError::new("Bad", "fails until the test is gone"));
+        }
+        ctx.store
+            .put(record.key.clone().unwrap_or_default(), record.value.clone())?;
+        Ok(())
+    });
+    let cfg = config(1, 1, ProcessingOrder::Offset, "bad");
+    let app = StreamsApp::builder(cfg.clone())
+        .log(log.clone())
+        .processor("bad", processor.clone())
+        .start()
+        .unwrap();
+    let records = [("a", "ok"), ("b", "bad"), ("c", "ok")];
+    app.produce(
+        "in",
+        records
+            .iter()
+            .map(|(k, v)| ProducerRecord::keyed(*k, *v))
+            .collect(),
+    )
+    .unwrap();
+    failures.recv_timeout(WAIT).expect("b fails");
+    // Its thread now waits for the log to take the retry entry; shutting
+    // down ends the wait.
+    let _ = app.shutdown();
+    assert_eq!(
+        log.committed("promises", "in", 0).unwrap(),
+        Some(1),
+        "the final commit stops before b"
+    );
+    drop(failures);
+    log.failing_retry_appends.store(false, Ordering::SeqCst);
+    let app = StreamsApp::builder(cfg)
+        .log(log)
+        .processor("bad", processor)
+        .start()
+        .unwrap();
+    assert!(app.wait_until_caught_up(WAIT), "{:#?}", app.describe());
+    for (key, value) in records {
+        assert_eq!(app.get("p", key.as_bytes()).unwrap().unwrap(), value, "{key}");
+    }
+    app.shutdown().unwrap();
 }
 
 #[test]

@@ -328,10 +328,24 @@ fn seal(shared: &Shared, item: &CommitItem, checkpoint: &Checkpoint) -> Result<(
 }
 
 /// The final retry entries above `position`, as the metadata of its offset
-/// commit on Kafka (see `retry_done`); warns about any left off.
+/// commit on Kafka (see `retry_done`); warns about any left off, at most once
+/// a minute (a commit may come every few milliseconds).
 fn retry_done_metadata(item: &CommitItem, position: u64, done: &[u64]) -> String {
+    static LAST_WARNING_MS: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(i64::MIN);
     let (metadata, left_off) = super::retry_done::encode(position, done);
-    if left_off > 0 {
+    let now = super::now_ms();
+    let last = LAST_WARNING_MS.load(std::sync::atomic::Ordering::Relaxed);
+    if left_off > 0
+        && now.saturating_sub(last) >= 60_000
+        && LAST_WARNING_MS
+            .compare_exchange(
+                last,
+                now,
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+            )
+            .is_ok()
+    {
         tracing::warn!(
             task = %item.task_id, position, left_off,
             "final retry entries too far past the retry position for the offset commit's metadata: \

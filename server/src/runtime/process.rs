@@ -566,6 +566,8 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         ));
     }
     let mut retry_keys = Vec::new();
+    // Outcomes of records whose append failed as the app shuts down.
+    let mut given_back: Vec<usize> = Vec::new();
     for (topic, appends) in [
         (&pipeline.retry_topic, to_retry),
         (&pipeline.dead_letter_topic, to_dead_letter),
@@ -583,8 +585,16 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         };
         match append_with_backoff(shared, topic, appends.records) {
             Ok(()) => retry_keys.extend(keys),
+            // The app shuts down while the log cannot take them (a wait for
+            // it to heal ends there): the records go back undone, so the
+            // final commit stops before them and they run again from the
+            // source after a restart, not lost as failed.
+            Err(_) if shared.app_state() != crate::metadata::AppState::Running => {
+                given_back.extend(appends.outcomes);
+            }
             Err(error) => {
-                // Not on its path: the record's outcome is final.
+                // An error no wait mends: not on its path, the record's
+                // outcome is final.
                 for i in appends.outcomes {
                     let record = &mut outcomes[i];
                     record.outcome = Outcome::Failed;
@@ -592,6 +602,9 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
                 }
             }
         }
+    }
+    if !given_back.is_empty() {
+        return_undone(&unit.records, &mut outcomes, &mut returned, &given_back);
     }
     context.meters.record_outcomes(&outcomes);
     if !outcomes.is_empty() {
@@ -606,6 +619,25 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         retry_keys,
         outputs: emitted,
     }
+}
+
+/// Moves the records of `outcomes[indices]` back among `returned` (in offset
+/// order, as a unit gives records back) and drops those outcomes: the
+/// records are not done.
+fn return_undone(
+    records: &[Record],
+    outcomes: &mut Vec<RecordOutcome>,
+    returned: &mut Vec<Record>,
+    indices: &[usize],
+) {
+    let offsets: HashSet<u64> = indices.iter().map(|&i| outcomes[i].offset).collect();
+    returned.extend(records.iter().filter(|r| offsets.contains(&r.offset)).cloned());
+    returned.sort_by_key(|r| r.offset);
+    let mut index = 0;
+    outcomes.retain(|_| {
+        index += 1;
+        !indices.contains(&(index - 1))
+    });
 }
 
 /// Records a unit appends to the retry or dead-letter topic, and the index of

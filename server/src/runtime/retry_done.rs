@@ -1,16 +1,8 @@
 //! The final retry entries above a committed retry position, written as the
-//! metadata of that position's offset commit on Kafka. Whichever instance
-//! takes the partition next (this one after a restart, or another) reads them
-//! back with the position and skips them instead of running them again —
-//! under exactly-once a second run would be a second apply.
-//!
-//! Format: `rd1:` and then a bitmap of the offsets from the position on, six
-//! offsets per character (`ALPHABET[bits]`, lowest offset in the lowest bit),
-//! trailing zeros left off. The text stays within Kafka's default
-//! `offset.metadata.max.bytes` (4,096): 24,552 offsets past the position,
-//! more than the retry queue loads at once with the default
-//! `max_in_flight_records` (10,000). Entries beyond that are left off and
-//! would run again.
+//! metadata of that position's offset commit on Kafka, so that whichever
+//! instance takes the partition next (this one after a restart, or another)
+//! skips them instead of running them again — under exactly-once a second
+//! run would be a second apply.
 
 /// What every metadata written here starts with; anything else (empty, or
 /// written by another tool) carries no final entries.
@@ -27,6 +19,14 @@ const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwx
 /// The metadata recording `done` (final entries, sorted; those below
 /// `position` are ignored), and how many of them it leaves off for want of
 /// room.
+///
+/// Format: `rd1:` and then a bitmap of the offsets from the position on, six
+/// offsets per character (`ALPHABET[bits]`, lowest offset in the lowest bit),
+/// trailing zeros left off. It stays within Kafka's default
+/// `offset.metadata.max.bytes` (4,096): 24,552 offsets past the position,
+/// more than the retry queue loads at once with the default
+/// `max_in_flight_records` (10,000). Entries beyond that are left off and
+/// would run again.
 pub(crate) fn encode(position: u64, done: &[u64]) -> (String, usize) {
     let max_chars = (MAX_METADATA_BYTES - PREFIX.len()) as u64;
     let mut chars: Vec<u8> = Vec::new();
