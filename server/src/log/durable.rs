@@ -60,8 +60,9 @@ pub enum Peeked {
 /// group of one or two appends, and the waker waited. Now it runs on an idle
 /// core, or once the waker's slice ends or it blocks, with a larger group
 /// (measured: README, Benchmarks, the parked-keys probe; Produce on the
-/// persistent log is as fast as before). Elsewhere, or if Linux refuses,
-/// the writer stays an ordinary thread.
+/// persistent log is as fast as before). The price: with every core busy, a
+/// woken writer may wait up to a scheduler slice (a few ms) before it runs.
+/// Elsewhere, or if Linux refuses, the writer stays an ordinary thread.
 fn without_wakeup_preemption() {
     #[cfg(target_os = "linux")]
     {
