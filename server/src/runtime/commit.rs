@@ -9,6 +9,7 @@ use super::shared::{CommitReport, Shared};
 use crate::health::StorageComponent;
 use crate::log::Retention;
 use crate::store::{Checkpoint, FreezeError};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 
 /// The async committer: a thread that writes handed-off commits in order.
@@ -331,26 +332,22 @@ fn seal(shared: &Shared, item: &CommitItem, checkpoint: &Checkpoint) -> Result<(
 /// commit on Kafka (see `retry_done`); warns about any left off, at most once
 /// a minute (a commit may come every few milliseconds).
 fn retry_done_metadata(item: &CommitItem, position: u64, done: &[u64]) -> String {
-    static LAST_WARNING_MS: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(i64::MIN);
+    static LAST_WARNING_MS: AtomicI64 = AtomicI64::new(i64::MIN);
     let (metadata, left_off) = super::retry_done::encode(position, done);
-    let now = super::now_ms();
-    let last = LAST_WARNING_MS.load(std::sync::atomic::Ordering::Relaxed);
-    if left_off > 0
-        && now.saturating_sub(last) >= 60_000
-        && LAST_WARNING_MS
-            .compare_exchange(
-                last,
-                now,
-                std::sync::atomic::Ordering::Relaxed,
-                std::sync::atomic::Ordering::Relaxed,
-            )
-            .is_ok()
-    {
-        tracing::warn!(
-            task = %item.task_id, position, left_off,
-            "final retry entries too far past the retry position for the offset commit's metadata: \
-             an instance that takes the partition over runs them again"
-        );
+    if left_off > 0 {
+        let now = super::now_ms();
+        let last = LAST_WARNING_MS.load(Ordering::Relaxed);
+        let due = now.saturating_sub(last) >= 60_000
+            && LAST_WARNING_MS
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok();
+        if due {
+            tracing::warn!(
+                task = %item.task_id, position, left_off,
+                "final retry entries too far past the retry position for the offset commit's metadata: \
+                 an instance that takes the partition over runs them again"
+            );
+        }
     }
     metadata
 }
