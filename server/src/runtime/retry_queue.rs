@@ -81,8 +81,13 @@ pub(crate) fn fetch_delay_ms(retry_backoff_ms: u64, retry_backoff_max_ms: u64) -
 /// each may take as long as the processor's latency.
 const RETRY_UNIT_MAX: usize = 16;
 
-/// A pick looks at most this many waiting items: it runs under the
-/// scheduler's lock, and a long backlog is served from its front.
+/// A pick looks at most this many waiting items that could run: it runs
+/// under the scheduler's lock, and a long backlog is served from its front.
+/// Items that cannot run in the pass (their key is busy, or they wait behind
+/// an earlier item of their key) do not count: a key with more parked items
+/// than this behind a long backoff must not hide every other key's due
+/// items. Each costs a look-up, so a pick reads at most the loaded items
+/// (`max_in_flight_records`).
 const SCAN_MAX: usize = 1024;
 
 /// Keyed, a unit finishes the runs of the keys it started (a failed record
@@ -303,12 +308,17 @@ impl RetryQueue {
         }
         let mut seen_keys: foldhash::HashSet<&Bytes> = Default::default();
         let mut next: Option<i64> = None;
-        for item in self.waiting.values().take(SCAN_MAX) {
+        let mut considered = 0;
+        for item in self.waiting.values() {
             if let Some(key) = item.record.key.as_ref().filter(|_| self.keyed)
                 && (self.busy_keys.contains(key) || !seen_keys.insert(key))
             {
                 continue;
             }
+            if considered == SCAN_MAX {
+                break;
+            }
+            considered += 1;
             next = Some(next.map_or(item.due_ms, |n| n.min(item.due_ms)));
         }
         next
@@ -361,30 +371,41 @@ impl RetryQueue {
             .next()
             .map_or(i64::MAX, |&(due, _)| due);
         let mut held_back = false;
-        for (&offset, item) in self.waiting.range(..=last_due).take(SCAN_MAX) {
+        let mut considered = 0;
+        for (&offset, item) in self.waiting.range(..=last_due) {
+            let key = item.record.key.as_ref().filter(|_| self.keyed);
+            // Items that cannot run in this pass do not count (see `SCAN_MAX`).
+            let run = match key {
+                Some(key) if self.busy_keys.contains(key) => continue,
+                Some(key) => match keys.get(key) {
+                    Some(KeyRun::Stopped) => continue,
+                    Some(&KeyRun::Taking(run)) => Some(run),
+                    None => None,
+                },
+                None => None,
+            };
+            if considered == SCAN_MAX {
+                break;
+            }
+            considered += 1;
             let released = may_run(item.record.offset);
             held_back |= !released;
             let due = item.due_ms <= now_ms && released;
-            let key = item.record.key.as_ref().filter(|_| self.keyed);
             if let Some(key) = key {
-                if self.busy_keys.contains(key) {
-                    continue;
-                }
-                match keys.get(key) {
-                    Some(KeyRun::Stopped) => {}
+                match run {
                     // Later items of the key wait behind this one.
-                    Some(&KeyRun::Taking(_)) if !due => {
+                    Some(_) if !due => {
                         keys.insert(key, KeyRun::Stopped);
                     }
                     None if !due => {
                         keys.insert(key, KeyRun::Stopped);
                         next_due = next_due.min(item.due_ms);
                     }
-                    Some(&KeyRun::Taking(run)) if run_lengths[run] < RETRY_UNIT_MAX_KEYED => {
+                    Some(run) if run_lengths[run] < RETRY_UNIT_MAX_KEYED => {
                         run_lengths[run] += 1;
                         picked.push((run, offset));
                     }
-                    Some(&KeyRun::Taking(_)) => {
+                    Some(_) => {
                         keys.insert(key, KeyRun::Stopped);
                     }
                     None => {
@@ -542,6 +563,43 @@ mod tests {
         let a = Some(Bytes::from_static(b"a"));
         queue.complete(&[(0, 100, a.clone()), (1, 101, a)], vec![]);
         assert_eq!(queue.watermark(), 2, "offset 2 is still in progress");
+    }
+
+    /// A key whose first item waits out a long backoff, with more items
+    /// parked behind it than a pick looks at, must not hide other keys' due
+    /// items: they run, and the queue knows when the blocked key is due.
+    #[test]
+    fn a_key_with_a_long_parked_run_does_not_hide_other_keys_due_items() {
+        let parked = SCAN_MAX as u64 * 2;
+        let mut queue = RetryQueue::new(0, true, 10_000, vec![]);
+        let (_, _, generation) = queue.start_fetch(0).expect("a new queue reads its partition");
+        queue.fetch_ended(generation, Some(parked as usize + 2));
+        let mut items = vec![item("hot", 0, 1_000)];
+        items.extend((1..=parked).map(|o| item("hot", o, 0)));
+        items.push(item("cold", parked + 1, 5));
+        queue.add_fetched(items);
+        assert_eq!(queue.next_due_ms(), Some(5), "cold is due first");
+        let taken = queue.take_due(5, |_| true);
+        assert_eq!(
+            taken.iter().map(|i| i.retry_offset).collect::<Vec<_>>(),
+            vec![parked + 1]
+        );
+        let cold = Some(Bytes::from_static(b"cold"));
+        queue.complete(&[(parked + 1, 100 + parked + 1, cold)], vec![]);
+        assert_eq!(queue.next_due_ms(), Some(1_000), "then hot's first item");
+        assert!(queue.take_due(999, |_| true).is_empty());
+        let taken = queue.take_due(1_000, |_| true);
+        assert_eq!(taken.first().map(|i| i.retry_offset), Some(0));
+        assert_eq!(
+            taken.len(),
+            RETRY_UNIT_MAX_KEYED,
+            "hot's run, in order, up to a unit"
+        );
+        assert!(
+            taken
+                .windows(2)
+                .all(|w| w[0].retry_offset + 1 == w[1].retry_offset)
+        );
     }
 
     #[test]
