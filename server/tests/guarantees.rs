@@ -216,6 +216,9 @@ struct FaultyLog {
     fail_commits: bool,
     failing_reads: AtomicUsize,
     failing_retry_appends: AtomicBool,
+    /// Retry appends with a value longer than this are refused whole, as
+    /// Kafka's producer refuses a batch with a record over its limit (0: off).
+    rejecting_retries_over: AtomicUsize,
 }
 
 impl Log for FaultyLog {
@@ -228,6 +231,13 @@ impl Log for FaultyLog {
     fn append(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<Vec<RecordPosition>, LogError> {
         if topic.ends_with("-retry") && self.failing_retry_appends.load(Ordering::SeqCst) {
             return Err(LogError::Unavailable("injected append failure".into()));
+        }
+        let limit = self.rejecting_retries_over.load(Ordering::SeqCst);
+        if topic.ends_with("-retry") && limit > 0 && records.iter().any(|r| r.value.len() > limit) {
+            return Err(LogError::Rejected {
+                topic: topic.into(),
+                reason: "a record is too large".into(),
+            });
         }
         self.inner.append(topic, records)
     }
@@ -286,6 +296,7 @@ fn faulty(fail_commits: bool, failing_reads: usize) -> Arc<FaultyLog> {
         fail_commits,
         failing_reads: AtomicUsize::new(failing_reads),
         failing_retry_appends: AtomicBool::new(false),
+        rejecting_retries_over: AtomicUsize::new(0),
     })
 }
 
@@ -341,6 +352,61 @@ fn a_failed_record_whose_retry_cannot_be_appended_at_shutdown_runs_after_a_resta
     for (key, value) in records {
         assert_eq!(app.get("p", key.as_bytes()).unwrap().unwrap(), value, "{key}");
     }
+    app.shutdown().unwrap();
+}
+
+/// A failed record the log refuses for good on the retry path (too large
+/// for it, as Kafka refuses a record over `message.max.bytes`) ends
+/// `failed`; the other failed and parked records of its unit, appended with
+/// it, still take the retry path and run. (The refusal of the unit's whole
+/// append used to fail them all, parked records never attempted.)
+#[test]
+fn a_failed_record_the_retry_topic_refuses_fails_alone() {
+    let log = faulty(false, 0);
+    log.rejecting_retries_over.store(100, Ordering::SeqCst);
+    let processor: Arc<dyn Processor> = Arc::new(|record: &Record, ctx: &ProcessorContext<'_>| {
+        if record.value.starts_with(b"bad") && ctx.attempt == 1 {
+            return Err(ProcessError::new("Bad", "fails its first attempt"));
+        }
+        ctx.store
+            .put(record.key.clone().unwrap_or_default(), record.value.clone())?;
+        Ok(())
+    });
+    // Written before the app starts, so its first fetch takes them all, and
+    // its one thread runs them as one unit.
+    let big = format!("bad{}", "x".repeat(200));
+    log.ensure_topic("in", 1).unwrap();
+    log.append(
+        "in",
+        vec![
+            ProducerRecord::keyed("a", "ok"),
+            ProducerRecord::keyed("b", big),
+            ProducerRecord::keyed("c", "bad"),
+            ProducerRecord::keyed("b", "after"),
+        ],
+    )
+    .unwrap();
+    let app = StreamsApp::builder(config(1, 1, ProcessingOrder::Offset, "bad"))
+        .log(log.clone())
+        .processor("bad", processor)
+        .start()
+        .unwrap();
+    assert!(app.wait_until_caught_up(WAIT), "{:#?}", app.describe());
+    assert_eq!(app.get("p", b"a").unwrap().unwrap(), "ok");
+    assert_eq!(
+        app.get("p", b"c").unwrap().unwrap(),
+        "bad",
+        "c ran again from the retry path"
+    );
+    assert_eq!(
+        app.get("p", b"b").unwrap().unwrap(),
+        "after",
+        "b's later record, parked behind it, ran"
+    );
+    let task = &app.describe().tasks[0];
+    assert_eq!(task.records_processed, 3, "{task:#?}");
+    // b's one attempt (final) and c's first.
+    assert_eq!(task.records_failed, 2, "{task:#?}");
     app.shutdown().unwrap();
 }
 

@@ -119,12 +119,46 @@ const QUERIES_CLIENT_ID: &str = "taskstream-queries";
 /// What the producer is set up with unless a `[kafka]` table says otherwise.
 const PRODUCER_DEFAULTS: &[(&str, &str)] = &[("enable.idempotence", "true"), ("linger.ms", "5")];
 
+/// librdkafka's default `message.max.bytes`.
+const DEFAULT_MESSAGE_MAX_BYTES: usize = 1_000_000;
+
+/// The size librdkafka checks against `message.max.bytes` when a record is
+/// produced (`rd_kafka_msg_max_wire_size`): key, value and headers, each
+/// header with the zigzag varints of its name's and value's lengths, plus
+/// the most a v2 record's own fields take (36 bytes).
+fn wire_size(record: &Outgoing<'_>) -> usize {
+    const RECORD_V2_MAX_OVERHEAD: usize = 5 + 1 + 10 + 5 + 5 + 5 + 5;
+    let varint = |len: usize| {
+        let zigzag = (len as u64) << 1;
+        (64 - zigzag.leading_zeros() as usize).div_ceil(7).max(1)
+    };
+    let headers: usize = record
+        .headers
+        .iter()
+        .map(|(name, value)| name.len() + value.len() + varint(name.len()) + varint(value.len()))
+        .sum();
+    RECORD_V2_MAX_OVERHEAD + record.key.map_or(0, <[u8]>::len) + record.value.map_or(0, <[u8]>::len) + headers
+}
+
+/// Produce and delivery errors no wait mends: the record is too large.
+fn is_rejection(code: RDKafkaErrorCode) -> bool {
+    matches!(
+        code,
+        RDKafkaErrorCode::MessageSizeTooLarge
+            | RDKafkaErrorCode::InvalidMessageSize
+            | RDKafkaErrorCode::InvalidRecord
+    )
+}
+
 /// Apache Kafka as the application's log. See the module doc.
 pub struct KafkaLog {
     /// This log, for what it hands out (the group's callbacks hold it weakly).
     me: std::sync::Weak<KafkaLog>,
     bootstrap_servers: String,
     client_settings: BTreeMap<String, String>,
+    /// The producers' `message.max.bytes`: a record over it is refused
+    /// before anything of its append is sent (see `wire_size`).
+    max_message_bytes: usize,
     replication_factor: i32,
     admin: AdminClient<ClientLog>,
     producer: ThreadedProducer<DeliveryContext>,
@@ -329,6 +363,10 @@ impl KafkaLog {
             me: me.clone(),
             bootstrap_servers: bootstrap.to_string(),
             client_settings: client_settings.clone(),
+            max_message_bytes: client_settings
+                .get("message.max.bytes")
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(DEFAULT_MESSAGE_MAX_BYTES),
             replication_factor,
             admin,
             producer,
@@ -1137,6 +1175,22 @@ impl KafkaLog {
         if records.is_empty() {
             return Ok(Vec::new());
         }
+        // Checked for every record before any is sent: a refused record
+        // would otherwise leave those before it sent and the rest not.
+        if let Some(size) = records
+            .iter()
+            .map(wire_size)
+            .find(|&size| size > self.max_message_bytes)
+        {
+            return Err(LogError::Rejected {
+                topic: topic.to_string(),
+                reason: format!(
+                    "a record of {size} bytes (key, value and headers) is over the producer's \
+                     `message.max.bytes` ({})",
+                    self.max_message_bytes
+                ),
+            });
+        }
         let batch = Arc::new(Batch::new(records.len()));
         let mut sent = 0;
         let mut send_error = None;
@@ -1191,7 +1245,13 @@ impl KafkaLog {
             match outcome {
                 Ok(()) => sent += 1,
                 Err(e) => {
-                    send_error = Some(LogError::Unavailable(format!("cannot send to `{topic}`: {e}")));
+                    send_error = Some(match e.rdkafka_error_code() {
+                        Some(code) if is_rejection(code) => LogError::Rejected {
+                            topic: topic.to_string(),
+                            reason: e.to_string(),
+                        },
+                        _ => LogError::Unavailable(format!("cannot send to `{topic}`: {e}")),
+                    });
                     break;
                 }
             }
@@ -1866,6 +1926,12 @@ impl ProducerContext for DeliveryContext {
             Err((KafkaError::MessageProduction(RDKafkaErrorCode::UnknownTopicOrPartition), message)) => {
                 Err(LogError::UnknownTopic(message.topic().to_string()))
             }
+            Err((KafkaError::MessageProduction(code), message)) if is_rejection(*code) => {
+                Err(LogError::Rejected {
+                    topic: message.topic().to_string(),
+                    reason: format!("the broker refused it: {code}"),
+                })
+            }
             Err((e, message)) => Err(LogError::Unavailable(format!(
                 "delivery to `{}` failed: {e}",
                 message.topic()
@@ -2083,6 +2149,118 @@ mod tests {
     fn contract_commits_are_per_group_and_partition() {
         let Some(broker) = broker() else { return };
         contract::commits_are_per_group_and_partition(&Namespaced::new(connect(&broker.bootstrap)));
+    }
+
+    /// `wire_size` is the size librdkafka checks: around a small
+    /// `message.max.bytes`, a record is refused at `send` exactly when
+    /// `wire_size` is over it (no broker needed: the check is local).
+    #[test]
+    fn wire_size_is_what_librdkafka_checks_against_message_max_bytes() {
+        use rdkafka::producer::BaseProducer;
+        const MAX: usize = 1_000;
+        let producer: BaseProducer = ClientConfig::new()
+            .set("bootstrap.servers", "127.0.0.1:9")
+            .set("message.max.bytes", MAX.to_string())
+            .create()
+            .expect("a producer needs no broker to be made");
+        let long_name = "n".repeat(70);
+        let header_sets: Vec<Vec<(String, Bytes)>> = vec![
+            vec![],
+            vec![("a".into(), Bytes::from(vec![1u8; 63]))],
+            vec![
+                ("a".into(), Bytes::from(vec![1u8; 64])),
+                (long_name, Bytes::new()),
+            ],
+            vec![("taskstream.retry.entry".into(), Bytes::from(vec![2u8; 200])); 3],
+        ];
+        let mut refused = 0;
+        for headers in &header_sets {
+            for key_len in [0usize, 10, 64] {
+                for value_len in 500..=MAX {
+                    let key = vec![7u8; key_len];
+                    let value = vec![9u8; value_len];
+                    let outgoing = Outgoing {
+                        key: (key_len > 0).then_some(&key[..]),
+                        value: Some(&value[..]),
+                        partition: Some(0),
+                        timestamp_ms: None,
+                        headers,
+                    };
+                    let mut owned = OwnedHeaders::new();
+                    for (name, value) in headers {
+                        owned = owned.insert(Header {
+                            key: name,
+                            value: Some(&value[..]),
+                        });
+                    }
+                    let mut record = BaseRecord::<[u8], [u8]>::to("t")
+                        .payload(&value[..])
+                        .headers(owned);
+                    if key_len > 0 {
+                        record = record.key(&key[..]);
+                    }
+                    let too_large = match producer.send(record) {
+                        Ok(()) => false,
+                        Err((e, _)) => {
+                            assert_eq!(
+                                e.rdkafka_error_code(),
+                                Some(RDKafkaErrorCode::MessageSizeTooLarge),
+                                "{e}"
+                            );
+                            true
+                        }
+                    };
+                    assert_eq!(
+                        wire_size(&outgoing) > MAX,
+                        too_large,
+                        "key {key_len}, value {value_len}, headers {:?}",
+                        headers
+                            .iter()
+                            .map(|(n, v)| (n.len(), v.len()))
+                            .collect::<Vec<_>>()
+                    );
+                    refused += usize::from(too_large);
+                }
+            }
+        }
+        assert!(refused > 0, "the sizes cross the limit");
+        // What was accepted waits for a broker that is not there.
+        producer.purge(rdkafka::producer::PurgeConfig::default().queue());
+    }
+
+    /// A batch with a record over the producer's `message.max.bytes` is
+    /// refused whole, before anything is sent: none of it lands.
+    #[test]
+    fn a_batch_with_a_record_over_message_max_bytes_is_refused_whole() {
+        let Some(broker) = broker() else { return };
+        let settings = BTreeMap::from([("message.max.bytes".to_string(), "1000".to_string())]);
+        let log =
+            KafkaLog::with_settings(&broker.bootstrap, &settings, 1).expect("connect to the test broker");
+        let topic = unique("refused");
+        log.ensure_topic(&topic, 1).unwrap();
+        let small = || ProducerRecord {
+            partition: Some(0),
+            ..ProducerRecord::keyed("k", "small")
+        };
+        let big = ProducerRecord {
+            partition: Some(0),
+            ..ProducerRecord::keyed("k", vec![b'x'; 2_000])
+        };
+        match log.append(&topic, vec![small(), big, small()]) {
+            Err(LogError::Rejected {
+                topic: refused,
+                reason,
+            }) => {
+                assert_eq!(refused, topic);
+                assert!(reason.contains("message.max.bytes"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            log.append(&topic, vec![small()]).unwrap()[0].offset,
+            0,
+            "none of the batch landed"
+        );
     }
 
     /// An offset commit keeps the metadata sent with it; a plain commit

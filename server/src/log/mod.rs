@@ -87,6 +87,12 @@ pub enum LogError {
     },
     #[error("log unavailable: {0}")]
     Unavailable(String),
+    /// The log refuses a record of the append for good (Kafka: over the
+    /// producer's `message.max.bytes`, or the broker's limit for the topic):
+    /// no wait mends it. Refused before anything is sent, nothing of the
+    /// append is written; refused by the broker, the others may be.
+    #[error("`{topic}` refuses the record: {reason}")]
+    Rejected { topic: String, reason: String },
     /// The data on disk cannot be read or written: corrupt, unreadable, full.
     #[error("data file {path}: {message}")]
     Storage { path: String, message: String },

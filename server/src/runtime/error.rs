@@ -179,6 +179,7 @@ impl From<LogError> for RuntimeError {
                 retry_after: Duration::from_millis(500),
             },
             LogError::Storage { path, message } => RuntimeError::Storage { path, message },
+            LogError::Rejected { .. } => RuntimeError::invalid_argument("records", error.to_string()),
         }
     }
 }

@@ -16,13 +16,12 @@ use super::shared::PipelineProcessor;
 use super::shared::Shared;
 use super::work::{Gating, KeySet, WorkUnit};
 use crate::config::RetryPolicy;
-use crate::log::{ProducerRecord, Record};
+use crate::log::{LogError, ProducerRecord, Record};
 use crate::metadata::{MAX_OUTCOME_ERROR_BYTES, Outcome, RecordOutcome, outcome_key};
 use crate::processor::remote::{RecordResult, Unreachable};
 use crate::processor::{Outputs, ProcessError, ProcessorContext};
 use crate::runtime::echo_up_to;
 use crate::store::{Write, WriteTag};
-use bytes::Bytes;
 use std::collections::HashSet;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -306,15 +305,14 @@ const APPEND_BACKOFF_MAX: Duration = Duration::from_secs(2);
 pub(crate) fn append_with_backoff(
     shared: &Shared,
     topic: &str,
-    records: Vec<ProducerRecord>,
-) -> Result<(), String> {
-    use crate::log::LogError;
+    records: &[ProducerRecord],
+) -> Result<(), LogError> {
     if records.is_empty() {
         return Ok(());
     }
     let mut backoff = APPEND_BACKOFF_FIRST;
     loop {
-        let error = match shared.log.append_unflushed(topic, &records) {
+        let error = match shared.log.append_unflushed(topic, records) {
             Ok(()) => {
                 shared.note_unflushed();
                 return Ok(());
@@ -324,11 +322,33 @@ pub(crate) fn append_with_backoff(
         let healable = matches!(error, LogError::Unavailable(_) | LogError::Storage { .. });
         if !healable || shared.app_state() != crate::metadata::AppState::Running {
             tracing::error!(topic, %error, "could not append failed records");
-            return Err(error.to_string());
+            return Err(error);
         }
         tracing::warn!(topic, %error, wait = ?backoff, "cannot append failed records yet; waiting for the log");
         std::thread::sleep(backoff);
         backoff = (backoff * 2).min(APPEND_BACKOFF_MAX);
+    }
+}
+
+/// `append_with_backoff` for a unit's failed records: all at once; when the
+/// log refuses one of them for good (a record too large for it), which
+/// leaves the whole append unwritten (`LogError::Rejected`), one at a time,
+/// so only the refused records fail. `Ok(None)`: all appended; `Ok(Some)`:
+/// each record's result.
+fn append_each_if_rejected(
+    shared: &Shared,
+    topic: &str,
+    records: &[ProducerRecord],
+) -> Result<Option<Vec<Result<(), LogError>>>, LogError> {
+    match append_with_backoff(shared, topic, records) {
+        Ok(()) => Ok(None),
+        Err(LogError::Rejected { .. }) if records.len() > 1 => Ok(Some(
+            records
+                .iter()
+                .map(|record| append_with_backoff(shared, topic, std::slice::from_ref(record)))
+                .collect(),
+        )),
+        Err(error) => Err(error),
     }
 }
 
@@ -575,27 +595,39 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         if appends.records.is_empty() {
             continue;
         }
-        // The gate holds the records' own keys: an outcome's may be cut
-        // short (`outcome_key_bytes`), and a key gated as such would never
-        // hold back the key's later records nor open again.
-        let keys: Vec<Bytes> = if Arc::ptr_eq(topic, &pipeline.retry_topic) && context.gating != Gating::Off {
-            appends.records.iter().filter_map(|r| r.key.clone()).collect()
-        } else {
-            Vec::new()
-        };
-        match append_with_backoff(shared, topic, appends.records) {
-            Ok(()) => retry_keys.extend(keys),
-            // The app shuts down while the log cannot take them (a wait for
-            // it to heal ends there): the records go back undone, so the
-            // final commit stops before them and they run again from the
-            // source after a restart, not lost as failed.
-            Err(_) if shared.app_state() != crate::metadata::AppState::Running => {
-                given_back.extend(appends.outcomes);
-            }
-            Err(error) => {
+        let on_retry_path = Arc::ptr_eq(topic, &pipeline.retry_topic);
+        let results = append_each_if_rejected(shared, topic, &appends.records);
+        for (j, &i) in appends.outcomes.iter().enumerate() {
+            let result = match &results {
+                Ok(None) => Ok(()),
+                Ok(Some(each)) => each[j].clone(),
+                Err(error) => Err(error.clone()),
+            };
+            match result {
+                // The gate holds the records' own keys: an outcome's may be
+                // cut short (`outcome_key_bytes`), and a key gated as such
+                // would never hold back the key's later records nor open again.
+                Ok(()) => {
+                    if on_retry_path
+                        && context.gating != Gating::Off
+                        && let Some(key) = &appends.records[j].key
+                    {
+                        retry_keys.push(key.clone());
+                    }
+                }
+                // The app shuts down while the log cannot take them (a wait
+                // for it to heal ends there): the records go back undone, so
+                // the final commit stops before them and they run again from
+                // the source after a restart, not lost as failed.
+                Err(error)
+                    if !matches!(error, LogError::Rejected { .. })
+                        && shared.app_state() != crate::metadata::AppState::Running =>
+                {
+                    given_back.push(i);
+                }
                 // An error no wait mends: not on its path, the record's
                 // outcome is final.
-                for i in appends.outcomes {
+                Err(error) => {
                     let record = &mut outcomes[i];
                     record.outcome = Outcome::Failed;
                     record.error = Some(Arc::from(format!("could not append to `{topic}`: {error}")));
@@ -744,7 +776,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: &mut Ve
         .map(|(item, _)| retry::dead_letter_record(&pipeline.topic, &item.record, &item.failure))
         .collect();
     // Refused by the dead-letter topic: the record stays on the retry path.
-    let dead_lettered = append_with_backoff(shared, &pipeline.dead_letter_topic, dead).is_ok();
+    let dead_lettered = append_with_backoff(shared, &pipeline.dead_letter_topic, &dead).is_ok();
     let mut finished = Vec::new();
     let mut again = Vec::new();
     let mut outcomes = Vec::with_capacity(attempted.len());

@@ -99,7 +99,9 @@ impl SinkQueue {
                 .append_in_transaction(id, &self.topic, &records)
                 .map(drop)
                 .map_err(|e| e.to_string()),
-            _ => super::process::append_with_backoff(shared, &self.topic, records.clone()),
+            _ => {
+                super::process::append_with_backoff(shared, &self.topic, &records).map_err(|e| e.to_string())
+            }
         };
         appended.map_err(|error| {
             let mut queue = lock(&self.queue);
