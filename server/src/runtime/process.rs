@@ -301,7 +301,7 @@ const APPEND_BACKOFF_MAX: Duration = Duration::from_secs(2);
 /// once they are durably on their path, and a unit does not wait for an fsync. While the log cannot
 /// write (a full disk) the thread waits for it to heal, with backoff, rather
 /// than lose the records' retries; it gives up only on an error no wait can
-/// mend (an unknown topic) or when the app shuts down.
+/// mend (an unknown topic, a record the log refuses) or when the app shuts down.
 pub(crate) fn append_with_backoff(
     shared: &Shared,
     topic: &str,
