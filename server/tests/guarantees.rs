@@ -219,6 +219,8 @@ struct FaultyLog {
     /// Retry appends with a value longer than this are refused whole, as
     /// Kafka's producer refuses a batch with a record over its limit (0: off).
     rejecting_retries_over: AtomicUsize,
+    /// Dead-letter appends are refused as too large.
+    rejecting_dead_letters: AtomicBool,
 }
 
 impl Log for FaultyLog {
@@ -231,6 +233,12 @@ impl Log for FaultyLog {
     fn append(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<Vec<RecordPosition>, LogError> {
         if topic.ends_with("-retry") && self.failing_retry_appends.load(Ordering::SeqCst) {
             return Err(LogError::Unavailable("injected append failure".into()));
+        }
+        if topic.ends_with("-dlq") && self.rejecting_dead_letters.load(Ordering::SeqCst) {
+            return Err(LogError::Rejected {
+                topic: topic.into(),
+                reason: "a record is too large".into(),
+            });
         }
         let limit = self.rejecting_retries_over.load(Ordering::SeqCst);
         if topic.ends_with("-retry") && limit > 0 && records.iter().any(|r| r.value.len() > limit) {
@@ -297,6 +305,7 @@ fn faulty(fail_commits: bool, failing_reads: usize) -> Arc<FaultyLog> {
         failing_reads: AtomicUsize::new(failing_reads),
         failing_retry_appends: AtomicBool::new(false),
         rejecting_retries_over: AtomicUsize::new(0),
+        rejecting_dead_letters: AtomicBool::new(false),
     })
 }
 
@@ -407,6 +416,54 @@ fn a_failed_record_the_retry_topic_refuses_fails_alone() {
     assert_eq!(task.records_processed, 3, "{task:#?}");
     // b's one attempt (final) and c's first.
     assert_eq!(task.records_failed, 2, "{task:#?}");
+    app.shutdown().unwrap();
+}
+
+/// A record out of attempts whose dead letter the log refuses for good
+/// (too large for the topic) ends `failed` instead of staying on the retry
+/// path forever, where its key's later records waited behind it.
+#[test]
+fn a_record_whose_dead_letter_is_refused_ends_failed_and_its_key_moves_on() {
+    let log = faulty(false, 0);
+    log.rejecting_dead_letters.store(true, Ordering::SeqCst);
+    let processor: Arc<dyn Processor> = Arc::new(|record: &Record, ctx: &ProcessorContext<'_>| {
+        if record.value == "bad" {
+            return Err(ProcessError::new("Bad", "fails every attempt"));
+        }
+        ctx.store
+            .put(record.key.clone().unwrap_or_default(), record.value.clone())?;
+        Ok(())
+    });
+    let mut cfg = config(1, 1, ProcessingOrder::Offset, "bad");
+    cfg.retry_max_attempts = 2;
+    let app = StreamsApp::builder(cfg)
+        .log(log.clone())
+        .processor("bad", processor)
+        .start()
+        .unwrap();
+    app.produce(
+        "in",
+        vec![
+            ProducerRecord::keyed("b", "bad"),
+            ProducerRecord::keyed("b", "after"),
+            ProducerRecord::keyed("a", "ok"),
+        ],
+    )
+    .unwrap();
+    assert!(app.wait_until_caught_up(WAIT), "{:#?}", app.describe());
+    assert_eq!(
+        app.get("p", b"b").unwrap().unwrap(),
+        "after",
+        "b's later record ran"
+    );
+    assert_eq!(app.get("p", b"a").unwrap().unwrap(), "ok");
+    let task = &app.describe().tasks[0];
+    assert_eq!(
+        (task.records_processed, task.records_dead_lettered),
+        (2, 0),
+        "{task:#?}"
+    );
+    assert_eq!(log.end_offset("promises-p-dlq", 0).unwrap_or(0), 0);
     app.shutdown().unwrap();
 }
 

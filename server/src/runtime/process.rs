@@ -333,22 +333,35 @@ pub(crate) fn append_with_backoff(
 /// `append_with_backoff` for a unit's failed records: all at once; when the
 /// log refuses one of them for good (a record too large for it), which
 /// leaves the whole append unwritten (`LogError::Rejected`), one at a time,
-/// so only the refused records fail. `Ok(None)`: all appended; `Ok(Some)`:
-/// each record's result.
-fn append_each_if_rejected(
-    shared: &Shared,
-    topic: &str,
-    records: &[ProducerRecord],
-) -> Result<Option<Vec<Result<(), LogError>>>, LogError> {
+/// so only the refused records fail.
+fn append_each_if_rejected(shared: &Shared, topic: &str, records: &[ProducerRecord]) -> Appended {
     match append_with_backoff(shared, topic, records) {
-        Ok(()) => Ok(None),
-        Err(LogError::Rejected { .. }) if records.len() > 1 => Ok(Some(
+        Ok(()) => Appended::All,
+        Err(LogError::Rejected { .. }) if records.len() > 1 => Appended::Each(
             records
                 .iter()
                 .map(|record| append_with_backoff(shared, topic, std::slice::from_ref(record)))
                 .collect(),
-        )),
-        Err(error) => Err(error),
+        ),
+        Err(error) => Appended::None(error),
+    }
+}
+
+/// What `append_each_if_rejected` made of each record.
+enum Appended {
+    All,
+    Each(Vec<Result<(), LogError>>),
+    None(LogError),
+}
+
+impl Appended {
+    /// The result of the append's record `index`.
+    fn of(&self, index: usize) -> Result<(), LogError> {
+        match self {
+            Appended::All => Ok(()),
+            Appended::Each(each) => each.get(index).cloned().unwrap_or(Ok(())),
+            Appended::None(error) => Err(error.clone()),
+        }
     }
 }
 
@@ -598,12 +611,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         let on_retry_path = Arc::ptr_eq(topic, &pipeline.retry_topic);
         let results = append_each_if_rejected(shared, topic, &appends.records);
         for (j, &i) in appends.outcomes.iter().enumerate() {
-            let result = match &results {
-                Ok(None) => Ok(()),
-                Ok(Some(each)) => each[j].clone(),
-                Err(error) => Err(error.clone()),
-            };
-            match result {
+            match results.of(j) {
                 // The gate holds the records' own keys: an outcome's may be
                 // cut short (`outcome_key_bytes`), and a key gated as such
                 // would never hold back the key's later records nor open again.
@@ -700,6 +708,8 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: &mut Ve
         Processed,
         Again,
         DeadLetter,
+        /// Its dead letter was refused for good (too large for the topic).
+        Refused(LogError),
         /// Keyed: an earlier item of its key failed again in this unit, so
         /// it did not run and waits behind that one.
         Untouched,
@@ -775,13 +785,28 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: &mut Ve
         .filter(|(_, next)| matches!(next, Next::DeadLetter))
         .map(|(item, _)| retry::dead_letter_record(&pipeline.topic, &item.record, &item.failure))
         .collect();
-    // Refused by the dead-letter topic: the record stays on the retry path.
-    let dead_lettered = append_with_backoff(shared, &pipeline.dead_letter_topic, &dead).is_ok();
+    let dead_letter_topic = &pipeline.dead_letter_topic;
+    let dead_results = append_each_if_rejected(shared, dead_letter_topic, &dead);
+    // The dead letters' results, in the order of `dead`.
+    let mut dead_lettered = (0..dead.len()).map(|d| dead_results.of(d));
     let mut finished = Vec::new();
     let mut again = Vec::new();
     let mut outcomes = Vec::with_capacity(attempted.len());
     for (mut item, next) in items.drain(..).zip(attempted) {
         let attempts = item.failure.attempts;
+        let next = match next {
+            Next::DeadLetter => match dead_lettered.next().unwrap_or(Ok(())) {
+                Ok(()) => Next::DeadLetter,
+                Err(error @ LogError::Rejected { .. }) => Next::Refused(error),
+                // Refused by the dead-letter topic for now: the record stays
+                // on the retry path.
+                Err(_) => {
+                    item.due_ms = retry::due_ms(now_ms(), shared.backoff(attempts, item.retry_offset));
+                    Next::Again
+                }
+            },
+            next => next,
+        };
         let final_outcome = match next {
             Next::Untouched => false,
             Next::Processed => {
@@ -795,7 +820,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: &mut Ve
                 ));
                 true
             }
-            Next::DeadLetter if dead_lettered => {
+            Next::DeadLetter => {
                 outcomes.push(outcome(
                     shared,
                     context,
@@ -806,10 +831,24 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: &mut Ve
                 ));
                 true
             }
-            Next::DeadLetter | Next::Again => {
-                if matches!(next, Next::DeadLetter) {
-                    item.due_ms = retry::due_ms(now_ms(), shared.backoff(attempts, item.retry_offset));
-                }
+            // No wait mends a refusal, and its key's later records must not
+            // wait behind it forever: its outcome is final.
+            Next::Refused(error) => {
+                let mut failed = outcome(
+                    shared,
+                    context,
+                    &item.record,
+                    Outcome::Failed,
+                    attempts,
+                    Some(&item.failure),
+                );
+                failed.error = Some(Arc::from(format!(
+                    "could not append to `{dead_letter_topic}`: {error}"
+                )));
+                outcomes.push(failed);
+                true
+            }
+            Next::Again => {
                 outcomes.push(outcome(
                     shared,
                     context,
