@@ -331,9 +331,11 @@ pub(crate) fn append_with_backoff(
 }
 
 /// `append_with_backoff` for a unit's failed records: all at once; when the
-/// log refuses one of them for good (a record too large for it), which
-/// leaves the whole append unwritten (`LogError::Rejected`), one at a time,
-/// so only the refused records fail.
+/// log refuses one of them for good (`LogError::Rejected`: a record too
+/// large for it), one at a time, so only the refused records fail. A record
+/// over the producer's limit is refused before anything of the append is
+/// written; one the broker refuses may leave others of the batch written,
+/// which are then appended again (duplicates, as when any append is resent).
 fn append_each_if_rejected(shared: &Shared, topic: &str, records: &[ProducerRecord]) -> Appended {
     match append_with_backoff(shared, topic, records) {
         Ok(()) => Appended::All,
