@@ -221,6 +221,9 @@ struct FaultyLog {
     rejecting_retries_over: AtomicUsize,
     /// Dead-letter appends are refused as too large.
     rejecting_dead_letters: AtomicBool,
+    /// Records for topic `out` with a value longer than this are refused as
+    /// too large (0: off), as Kafka's producer refuses them.
+    refusing_outputs_over: AtomicUsize,
 }
 
 impl Log for FaultyLog {
@@ -229,6 +232,16 @@ impl Log for FaultyLog {
     }
     fn partitions(&self, topic: &str) -> Result<u32, LogError> {
         self.inner.partitions(topic)
+    }
+    fn check_record(&self, topic: &str, record: &ProducerRecord) -> Result<(), LogError> {
+        let limit = self.refusing_outputs_over.load(Ordering::SeqCst);
+        if topic == "out" && limit > 0 && record.value.len() > limit {
+            return Err(LogError::Rejected {
+                topic: topic.into(),
+                reason: "a record is too large".into(),
+            });
+        }
+        Ok(())
     }
     fn append(&self, topic: &str, records: Vec<ProducerRecord>) -> Result<Vec<RecordPosition>, LogError> {
         if topic.ends_with("-retry") && self.failing_retry_appends.load(Ordering::SeqCst) {
@@ -239,6 +252,9 @@ impl Log for FaultyLog {
                 topic: topic.into(),
                 reason: "a record is too large".into(),
             });
+        }
+        for record in &records {
+            self.check_record(topic, record)?;
         }
         let limit = self.rejecting_retries_over.load(Ordering::SeqCst);
         if topic.ends_with("-retry") && limit > 0 && records.iter().any(|r| r.value.len() > limit) {
@@ -306,6 +322,7 @@ fn faulty(fail_commits: bool, failing_reads: usize) -> Arc<FaultyLog> {
         failing_retry_appends: AtomicBool::new(false),
         rejecting_retries_over: AtomicUsize::new(0),
         rejecting_dead_letters: AtomicBool::new(false),
+        refusing_outputs_over: AtomicUsize::new(0),
     })
 }
 
@@ -465,6 +482,64 @@ fn a_record_whose_dead_letter_is_refused_ends_failed_and_its_key_moves_on() {
     );
     assert_eq!(log.end_offset("promises-p-dlq", 0).unwrap_or(0), 0);
     app.shutdown().unwrap();
+}
+
+/// A processor's output the sink topic would refuse for good (too large
+/// for it) fails its record at once, before its writes apply: the record is
+/// dead-lettered, and the other outputs and the commits go on. (It used to
+/// fail every later append of the sink, and so every commit of the task.)
+#[test]
+fn an_output_the_sink_topic_refuses_dead_letters_its_record_at_once() {
+    let log = faulty(false, 0);
+    log.refusing_outputs_over.store(10, Ordering::SeqCst);
+    let processor: Arc<dyn Processor> = Arc::new(|record: &Record, ctx: &ProcessorContext<'_>| {
+        ctx.store
+            .put(record.key.clone().unwrap_or_default(), record.value.clone())?;
+        ctx.emit(ProducerRecord::keyed(
+            record.key.clone().unwrap_or_default(),
+            record.value.clone(),
+        ));
+        Ok(())
+    });
+    let mut cfg = config(1, 1, ProcessingOrder::Offset, "echo");
+    cfg.pipelines[0].sink_topic = Some("out".into());
+    let app = StreamsApp::builder(cfg)
+        .log(log.clone())
+        .processor("echo", processor)
+        .start()
+        .unwrap();
+    app.produce(
+        "in",
+        vec![
+            ProducerRecord::keyed("a", "small"),
+            ProducerRecord::keyed("b", "far too large"),
+            ProducerRecord::keyed("c", "small too"),
+        ],
+    )
+    .unwrap();
+    assert!(app.wait_until_caught_up(WAIT), "{:#?}", app.describe());
+    let task = &app.describe().tasks[0];
+    assert_eq!(
+        (task.records_processed, task.records_dead_lettered),
+        (2, 1),
+        "{task:#?}"
+    );
+    assert_eq!(app.get("p", b"b").unwrap(), None, "b's write did not apply");
+    let mut dead = Vec::new();
+    log.read("promises-p-dlq", 0, 0, 10, &mut dead).unwrap();
+    assert_eq!(dead.len(), 1);
+    let exception = dead[0]
+        .headers
+        .iter()
+        .find(|(n, _)| n == "__streams.errors.exception");
+    assert_eq!(exception.map(|(_, v)| &v[..]), Some(&b"InvalidOutput"[..]));
+    let mut outputs = Vec::new();
+    log.read("out", 0, 0, 10, &mut outputs).unwrap();
+    let values: Vec<&[u8]> = outputs.iter().map(|r| &r.value[..]).collect();
+    assert_eq!(values, [&b"small"[..], &b"small too"[..]]);
+    // The commits go on past it.
+    app.shutdown().unwrap();
+    assert_eq!(log.committed("promises", "in", 0).unwrap(), Some(3));
 }
 
 #[test]

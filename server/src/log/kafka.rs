@@ -1050,14 +1050,14 @@ impl Log for KafkaLog {
             // The cluster may know more partitions than the cache.
             self.check_partition(topic, bad)?;
         }
-        let outgoing = records.iter().map(|record| Outgoing {
-            key: record.key.as_deref(),
-            value: Some(&record.value[..]),
-            partition: record.partition,
-            timestamp_ms: record.timestamp_ms,
-            headers: &record.headers,
-        });
-        self.send(topic, partitions, outgoing.collect())
+        self.send(topic, partitions, records.iter().map(Outgoing::of).collect())
+    }
+
+    fn check_record(&self, topic: &str, record: &ProducerRecord) -> Result<(), LogError> {
+        match self.refusal(topic, &[Outgoing::of(record)]) {
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
     }
 
     fn read(
@@ -1164,6 +1164,23 @@ impl KafkaLog {
         transactions.get(&(topic.to_string(), partition)).cloned()
     }
 
+    /// The error for the first of `records` over the producers'
+    /// `message.max.bytes`, which librdkafka would refuse as it is sent.
+    fn refusal(&self, topic: &str, records: &[Outgoing<'_>]) -> Option<LogError> {
+        let size = records
+            .iter()
+            .map(wire_size)
+            .find(|&size| size > self.max_message_bytes)?;
+        Some(LogError::Rejected {
+            topic: topic.to_string(),
+            reason: format!(
+                "a record of {size} bytes (key, value and headers) is over the producer's \
+                 `message.max.bytes` ({})",
+                self.max_message_bytes
+            ),
+        })
+    }
+
     /// Sends through `producer`; see `send`.
     fn send_with(
         &self,
@@ -1177,19 +1194,8 @@ impl KafkaLog {
         }
         // Checked for every record before any is sent: a refused record
         // would otherwise leave those before it sent and the rest not.
-        if let Some(size) = records
-            .iter()
-            .map(wire_size)
-            .find(|&size| size > self.max_message_bytes)
-        {
-            return Err(LogError::Rejected {
-                topic: topic.to_string(),
-                reason: format!(
-                    "a record of {size} bytes (key, value and headers) is over the producer's \
-                     `message.max.bytes` ({})",
-                    self.max_message_bytes
-                ),
-            });
+        if let Some(error) = self.refusal(topic, &records) {
+            return Err(error);
         }
         let batch = Arc::new(Batch::new(records.len()));
         let mut sent = 0;
@@ -1854,6 +1860,18 @@ struct Outgoing<'a> {
     headers: &'a [(String, Bytes)],
 }
 
+impl Outgoing<'_> {
+    fn of(record: &ProducerRecord) -> Outgoing<'_> {
+        Outgoing {
+            key: record.key.as_deref(),
+            value: Some(&record.value[..]),
+            partition: record.partition,
+            timestamp_ms: record.timestamp_ms,
+            headers: &record.headers,
+        }
+    }
+}
+
 /// librdkafka's log lines through `tracing` (target `librdkafka`), less its
 /// warning that a setting does not apply to this kind of client: the
 /// `[kafka]` table goes to producer and consumers alike, by design.
@@ -2246,6 +2264,11 @@ mod tests {
             partition: Some(0),
             ..ProducerRecord::keyed("k", vec![b'x'; 2_000])
         };
+        assert!(log.check_record(&topic, &small()).is_ok());
+        assert!(matches!(
+            log.check_record(&topic, &big),
+            Err(LogError::Rejected { .. })
+        ));
         match log.append(&topic, vec![small(), big, small()]) {
             Err(LogError::Rejected {
                 topic: refused,

@@ -163,6 +163,14 @@ pub trait Log: Send + Sync + 'static {
         self.append(topic, records.to_vec()).map(drop)
     }
 
+    /// Whether `topic` would refuse `record` for good (`LogError::Rejected`:
+    /// too large for the log), told before anything is appended: a
+    /// processor's output the sink topic would refuse fails its record
+    /// instead of every later append of the sink. Default: any record fits.
+    fn check_record(&self, _topic: &str, _record: &ProducerRecord) -> Result<(), LogError> {
+        Ok(())
+    }
+
     /// Makes every record appended so far durable. Default: nothing to do.
     fn flush(&self) -> Result<(), LogError> {
         Ok(())

@@ -216,21 +216,33 @@ fn attempt(
         )),
     };
     // Outputs are checked against the sink topic before anything applies, so
-    // one the sink cannot take fails its record instead of the append.
+    // one the sink cannot take fails its record instead of the append. One
+    // the log refuses for good (too large for it) would be refused again on
+    // every attempt: the record is dead-lettered at once.
     let result = result.and_then(|()| match &pipeline.sink {
         Some(sink) => {
             let outputs = outputs.take();
-            match outputs
+            if let Some(partition) = outputs
                 .iter()
                 .find_map(|o| o.partition.filter(|&p| p >= sink.partitions))
             {
-                Some(partition) => Err(ProcessError::new(
+                return Err(ProcessError::new(
                     crate::processor::remote::kinds::INVALID_OUTPUT,
                     format!(
                         "an output names partition {partition} of sink topic `{}`, which has {}",
                         sink.topic, sink.partitions
                     ),
-                )),
+                ));
+            }
+            match outputs
+                .iter()
+                .find_map(|o| shared.log.check_record(&sink.topic, o).err())
+            {
+                Some(error) => Err(ProcessError::new(
+                    crate::processor::remote::kinds::INVALID_OUTPUT,
+                    format!("an output cannot be appended: {error}"),
+                )
+                .permanent()),
                 None => Ok(outputs),
             }
         }
