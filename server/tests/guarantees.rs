@@ -326,6 +326,30 @@ fn faulty(fail_commits: bool, failing_reads: usize) -> Arc<FaultyLog> {
     })
 }
 
+/// Starts an app over `log` with `processor` under the custom name `cfg`
+/// gives it, produces `records` (key, value) and waits until they are all final.
+fn run_over(
+    log: &Arc<FaultyLog>,
+    cfg: Config,
+    processor: Arc<dyn Processor>,
+    records: &[(&str, &str)],
+) -> StreamsApp {
+    let ProcessorSpec::Custom { name } = cfg.pipelines[0].processor.clone() else {
+        panic!("a custom processor's config")
+    };
+    let app = StreamsApp::builder(cfg)
+        .log(log.clone())
+        .processor(&name, processor)
+        .start()
+        .unwrap();
+    let records = records
+        .iter()
+        .map(|(k, v)| ProducerRecord::keyed(k.to_string(), v.to_string()));
+    app.produce("in", records.collect()).unwrap();
+    assert!(app.wait_until_caught_up(WAIT), "{:#?}", app.describe());
+    app
+}
+
 /// A failed record whose retry entry cannot be appended (the log is down)
 /// when the app shuts down is not lost: it goes back undone, the final
 /// commit stops before it, and after a restart it runs again from the
@@ -453,21 +477,7 @@ fn a_record_whose_dead_letter_is_refused_ends_failed_and_its_key_moves_on() {
     });
     let mut cfg = config(1, 1, ProcessingOrder::Offset, "bad");
     cfg.retry_max_attempts = 2;
-    let app = StreamsApp::builder(cfg)
-        .log(log.clone())
-        .processor("bad", processor)
-        .start()
-        .unwrap();
-    app.produce(
-        "in",
-        vec![
-            ProducerRecord::keyed("b", "bad"),
-            ProducerRecord::keyed("b", "after"),
-            ProducerRecord::keyed("a", "ok"),
-        ],
-    )
-    .unwrap();
-    assert!(app.wait_until_caught_up(WAIT), "{:#?}", app.describe());
+    let app = run_over(&log, cfg, processor, &[("b", "bad"), ("b", "after"), ("a", "ok")]);
     assert_eq!(
         app.get("p", b"b").unwrap().unwrap(),
         "after",
@@ -503,21 +513,8 @@ fn an_output_the_sink_topic_refuses_dead_letters_its_record_at_once() {
     });
     let mut cfg = config(1, 1, ProcessingOrder::Offset, "echo");
     cfg.pipelines[0].sink_topic = Some("out".into());
-    let app = StreamsApp::builder(cfg)
-        .log(log.clone())
-        .processor("echo", processor)
-        .start()
-        .unwrap();
-    app.produce(
-        "in",
-        vec![
-            ProducerRecord::keyed("a", "small"),
-            ProducerRecord::keyed("b", "far too large"),
-            ProducerRecord::keyed("c", "small too"),
-        ],
-    )
-    .unwrap();
-    assert!(app.wait_until_caught_up(WAIT), "{:#?}", app.describe());
+    let records = [("a", "small"), ("b", "far too large"), ("c", "small too")];
+    let app = run_over(&log, cfg, processor, &records);
     let task = &app.describe().tasks[0];
     assert_eq!(
         (task.records_processed, task.records_dead_lettered),
