@@ -867,6 +867,77 @@ fn sink_outputs_reach_kafka_in_transactions_with_exactly_once_v2() {
     sink_outputs_reach_kafka(taskstream_server::ProcessingGuarantee::ExactlyOnceV2);
 }
 
+/// Records Kafka refuses for good (over the producer's `message.max.bytes`)
+/// fail alone and wedge nothing: a produced one is answered INVALID_ARGUMENT
+/// (it was UNAVAILABLE, which clients retry forever); a processed record
+/// whose store write is too large for the changelog, or whose output is too
+/// large for the sink, is dead-lettered at once without its writes, and the
+/// others run and are committed (each used to fail every commit of its task).
+#[test]
+fn records_too_large_for_kafka_fail_alone_and_wedge_nothing() {
+    use taskstream_server::{
+        ProcessError, ProcessorContext, ProducerRecord, Record, RuntimeError, StreamsApp,
+    };
+    let Some(broker) = broker() else { return };
+    let application = unique("too-large");
+    let topic = format!("{application}-events");
+    let mut config = group_config(
+        broker,
+        &application,
+        &topic,
+        1,
+        taskstream_server::GroupProtocol::Consumer,
+    );
+    config.kafka.insert("message.max.bytes".into(), "2000".into());
+    config.pipelines[0].processor = taskstream_server::ProcessorSpec::Custom { name: "sized".into() };
+    config.pipelines[0].sink_topic = Some(format!("{application}-out"));
+    let processor = std::sync::Arc::new(|record: &Record, ctx: &ProcessorContext<'_>| {
+        let key = record.key.clone().unwrap_or_default();
+        let size = |what: &str| if record.value == what { 3_000 } else { 10 };
+        ctx.store.put(key.clone(), vec![b's'; size("big write")].into())?;
+        ctx.emit(ProducerRecord::keyed(key, vec![b'o'; size("big output")]));
+        Ok::<(), ProcessError>(())
+    });
+    let app = StreamsApp::builder(config)
+        .processor("sized", processor)
+        .start()
+        .expect("start the instance");
+    eventually("the instance hosts its partition", || {
+        app.hosted_partitions("counts").unwrap().len() == 1
+    });
+    match app.produce(&topic, vec![ProducerRecord::keyed("k", vec![b'v'; 3_000])]) {
+        Err(RuntimeError::InvalidArgument { field, message }) => {
+            assert_eq!(field, "records");
+            assert!(message.contains("message.max.bytes"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let records = [("a", "ok"), ("b", "big write"), ("c", "big output"), ("d", "ok")];
+    app.produce(
+        &topic,
+        records
+            .iter()
+            .map(|(k, v)| ProducerRecord::keyed(*k, *v))
+            .collect(),
+    )
+    .expect("produce");
+    assert!(app.wait_until_caught_up(DEADLINE), "{:#?}", app.describe());
+    let task = &app.describe().tasks[0];
+    assert_eq!(
+        (task.records_processed, task.records_dead_lettered),
+        (2, 2),
+        "{task:#?}"
+    );
+    for (key, written) in [("a", true), ("b", false), ("c", false), ("d", true)] {
+        assert_eq!(
+            app.get("counts", key.as_bytes()).unwrap().is_some(),
+            written,
+            "{key}"
+        );
+    }
+    app.shutdown().expect("the commits go on");
+}
+
 /// An exactly_once_v2 application of `partitions` partitions whose pipeline
 /// `counts` runs the custom processor `flaky` in `order`.
 fn exactly_once_config(

@@ -174,6 +174,12 @@ impl<'a> AttemptStore<'a> {
         writes
     }
 
+    /// The first `Some` that `check` answers for one of the attempt's writes
+    /// (key, value; `None` a delete), in the order they were made.
+    pub(crate) fn find_write<T>(&self, check: impl FnMut(&(Bytes, Option<Bytes>)) -> Option<T>) -> Option<T> {
+        self.buffer().writes.iter().find_map(check)
+    }
+
     /// The attempt failed: its writes are dropped. Answers the emptied buffer.
     pub(crate) fn discard(self) -> Vec<Write> {
         let mut writes = std::mem::take(&mut self.buffer().writes);

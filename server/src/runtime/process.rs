@@ -249,6 +249,29 @@ fn attempt(
         // No sink topic: outputs have nowhere to go.
         None => Ok(Vec::new()),
     });
+    // Likewise a write the store's changelog would refuse for good: it would
+    // fail every commit of the task.
+    let result = result.and_then(|outputs| {
+        let Some(changelog) = &pipeline.changelog_topic else {
+            return Ok(outputs);
+        };
+        let refused = store.find_write(|(key, value)| {
+            let record = ProducerRecord {
+                key: Some(key.clone()),
+                value: value.clone().unwrap_or_default(),
+                ..ProducerRecord::default()
+            };
+            shared.log.check_record(changelog, &record).err()
+        });
+        match refused {
+            Some(error) => Err(ProcessError::new(
+                "StoreError",
+                format!("a write cannot go to the store's changelog: {error}"),
+            )
+            .permanent()),
+            None => Ok(outputs),
+        }
+    });
     *buffer = match result {
         Ok(_) => store.succeed(|writes| context.store.apply(tag, writes, context.settled_below)),
         Err(_) => store.discard(),
