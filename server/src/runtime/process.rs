@@ -215,63 +215,7 @@ fn attempt(
             "a remote pipeline's record was run without its processor's answer",
         )),
     };
-    // Outputs are checked against the sink topic before anything applies, so
-    // one the sink cannot take fails its record instead of the append. One
-    // the log refuses for good (too large for it) would be refused again on
-    // every attempt: the record is dead-lettered at once.
-    let result = result.and_then(|()| match &pipeline.sink {
-        Some(sink) => {
-            let outputs = outputs.take();
-            if let Some(partition) = outputs
-                .iter()
-                .find_map(|o| o.partition.filter(|&p| p >= sink.partitions))
-            {
-                return Err(ProcessError::new(
-                    crate::processor::remote::kinds::INVALID_OUTPUT,
-                    format!(
-                        "an output names partition {partition} of sink topic `{}`, which has {}",
-                        sink.topic, sink.partitions
-                    ),
-                ));
-            }
-            match outputs
-                .iter()
-                .find_map(|o| shared.log.check_record(&sink.topic, o).err())
-            {
-                Some(error) => Err(ProcessError::new(
-                    crate::processor::remote::kinds::INVALID_OUTPUT,
-                    format!("an output cannot be appended: {error}"),
-                )
-                .permanent()),
-                None => Ok(outputs),
-            }
-        }
-        // No sink topic: outputs have nowhere to go.
-        None => Ok(Vec::new()),
-    });
-    // Likewise a write the store's changelog would refuse for good: it would
-    // fail every commit of the task.
-    let result = result.and_then(|outputs| {
-        let Some(changelog) = &pipeline.changelog_topic else {
-            return Ok(outputs);
-        };
-        let refused = store.find_write(|(key, value)| {
-            let record = ProducerRecord {
-                key: Some(key.clone()),
-                value: value.clone().unwrap_or_default(),
-                ..ProducerRecord::default()
-            };
-            shared.log.check_record(changelog, &record).err()
-        });
-        match refused {
-            Some(error) => Err(ProcessError::new(
-                "StoreError",
-                format!("a write cannot go to the store's changelog: {error}"),
-            )
-            .permanent()),
-            None => Ok(outputs),
-        }
-    });
+    let result = result.and_then(|()| admitted(shared, pipeline, &store, outputs.take()));
     *buffer = match result {
         Ok(_) => store.succeed(|writes| context.store.apply(tag, writes, context.settled_below)),
         Err(_) => store.discard(),
@@ -294,6 +238,67 @@ fn apply_remote(result: RecordResult, ctx: &ProcessorContext<'_>) -> Result<(), 
         ctx.emit(output);
     }
     Ok(())
+}
+
+/// A succeeded attempt's outputs, once its outputs and writes are checked
+/// against where they go, before anything applies: an output naming a
+/// partition the sink topic does not have fails its record; so does one the
+/// sink topic would refuse for good (too large for the log), or a write the
+/// store's changelog would — not retryable: refused again on every attempt,
+/// it would otherwise fail every later append of the sink, and so every
+/// commit of the task. Without a sink topic, outputs have nowhere to go.
+fn admitted(
+    shared: &Shared,
+    pipeline: &super::shared::PipelineRuntime,
+    store: &AttemptStore<'_>,
+    outputs: Vec<ProducerRecord>,
+) -> Result<Vec<ProducerRecord>, ProcessError> {
+    let outputs = match &pipeline.sink {
+        Some(sink) => {
+            if let Some(partition) = outputs
+                .iter()
+                .find_map(|o| o.partition.filter(|&p| p >= sink.partitions))
+            {
+                return Err(ProcessError::new(
+                    crate::processor::remote::kinds::INVALID_OUTPUT,
+                    format!(
+                        "an output names partition {partition} of sink topic `{}`, which has {}",
+                        sink.topic, sink.partitions
+                    ),
+                ));
+            }
+            if let Some(error) = outputs
+                .iter()
+                .find_map(|o| shared.log.check_record(&sink.topic, o).err())
+            {
+                return Err(ProcessError::new(
+                    crate::processor::remote::kinds::INVALID_OUTPUT,
+                    format!("an output cannot be appended: {error}"),
+                )
+                .permanent());
+            }
+            outputs
+        }
+        None => Vec::new(),
+    };
+    if let Some(changelog) = &pipeline.changelog_topic {
+        let refused = store.find_write(|(key, value)| {
+            let record = ProducerRecord {
+                key: Some(key.clone()),
+                value: value.clone().unwrap_or_default(),
+                ..ProducerRecord::default()
+            };
+            shared.log.check_record(changelog, &record).err()
+        });
+        if let Some(error) = refused {
+            return Err(ProcessError::new(
+                "StoreError",
+                format!("a write cannot go to the store's changelog: {error}"),
+            )
+            .permanent());
+        }
+    }
+    Ok(outputs)
 }
 
 /// One attempt of one record, called alone when the pipeline is remote (a
