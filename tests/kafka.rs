@@ -465,6 +465,25 @@ fn group_config(
     config
 }
 
+/// A one-pipeline application on the KIP-848 consumer protocol, named after
+/// `prefix` (made unique): its name, its source topic and its config.
+fn consumer_app(
+    broker: &common::kafka::Broker,
+    prefix: &str,
+    partitions: u32,
+) -> (String, String, taskstream_server::Config) {
+    let application = unique(prefix);
+    let topic = format!("{application}-events");
+    let config = group_config(
+        broker,
+        &application,
+        &topic,
+        partitions,
+        taskstream_server::GroupProtocol::Consumer,
+    );
+    (application, topic, config)
+}
+
 /// Polls `condition` until it holds or `DEADLINE` passes (then panics with `what`).
 fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
     let deadline = Instant::now() + DEADLINE;
@@ -570,15 +589,7 @@ fn a_fresh_application_adds_its_tasks_without_waiting_behind_held_fetches() {
     use taskstream_server::{ProducerRecord, StreamsApp};
     const PARTITIONS: u32 = 16;
     let Some(broker) = broker() else { return };
-    let application = unique("held-fetches");
-    let topic = format!("{application}-events");
-    let mut config = group_config(
-        broker,
-        &application,
-        &topic,
-        PARTITIONS,
-        taskstream_server::GroupProtocol::Consumer,
-    );
+    let (_, topic, mut config) = consumer_app(broker, "held-fetches", PARTITIONS);
     config.kafka.insert("fetch.wait.max.ms".into(), "20000".into());
     let app = StreamsApp::builder(config).start().expect("start");
     let records: Vec<ProducerRecord> = (0..PARTITIONS)
@@ -620,15 +631,7 @@ fn rebalancing_and_restoring_are_described_and_answered_unavailable_with_retry_i
     use taskstream_server::{ProducerRecord, StreamsApp};
     const KEYS: usize = 200_000;
     let Some(broker) = broker() else { return };
-    let application = unique("states");
-    let topic = format!("{application}-events");
-    let mut config = group_config(
-        broker,
-        &application,
-        &topic,
-        2,
-        taskstream_server::GroupProtocol::Consumer,
-    );
+    let (_, topic, mut config) = consumer_app(broker, "states", 2);
     config.commit_interval_ms = 500;
     // A changelog long enough that restoring it takes a visible while:
     // every record a key of its own.
@@ -879,15 +882,7 @@ fn records_too_large_for_kafka_fail_alone_and_wedge_nothing() {
         ProcessError, ProcessorContext, ProducerRecord, Record, RuntimeError, StreamsApp,
     };
     let Some(broker) = broker() else { return };
-    let application = unique("too-large");
-    let topic = format!("{application}-events");
-    let mut config = group_config(
-        broker,
-        &application,
-        &topic,
-        1,
-        taskstream_server::GroupProtocol::Consumer,
-    );
+    let (application, topic, mut config) = consumer_app(broker, "too-large", 1);
     config.kafka.insert("message.max.bytes".into(), "2000".into());
     config.pipelines[0].processor = taskstream_server::ProcessorSpec::Custom { name: "sized".into() };
     config.pipelines[0].sink_topic = Some(format!("{application}-out"));
@@ -1168,15 +1163,7 @@ fn exactly_once_v2_final_retries_above_the_retry_position_are_not_run_again() {
 fn a_fresh_instance_restores_the_stores_from_the_changelog() {
     use taskstream_server::{ProducerRecord, StreamsApp};
     let Some(broker) = broker() else { return };
-    let application = unique("changelog");
-    let topic = format!("{application}-events");
-    let mut config = group_config(
-        broker,
-        &application,
-        &topic,
-        4,
-        taskstream_server::GroupProtocol::Consumer,
-    );
+    let (application, topic, mut config) = consumer_app(broker, "changelog", 4);
     let first_dir = taskstream_server::scratch::scratch_dir("kafka-changelog-a").expect("a scratch dir");
     let second_dir = taskstream_server::scratch::scratch_dir("kafka-changelog-b").expect("a scratch dir");
     config.data_dir = Some(first_dir.path().to_path_buf());
