@@ -165,8 +165,9 @@ pub trait Log: Send + Sync + 'static {
 
     /// Whether `topic` would refuse `record` for good (`LogError::Rejected`:
     /// too large for the log), told before anything is appended: a
-    /// processor's output the sink topic would refuse fails its record
-    /// instead of every later append of the sink. Default: any record fits.
+    /// processor's output the sink topic would refuse, or a store write its
+    /// changelog would, fails its record instead of every later append of
+    /// the sink or changelog (and so every commit). Default: any record fits.
     fn check_record(&self, _topic: &str, _record: &ProducerRecord) -> Result<(), LogError> {
         Ok(())
     }
