@@ -484,6 +484,24 @@ fn consumer_app(
     (application, topic, config)
 }
 
+/// Starts a lone instance of `config` with `processor` registered as `name`,
+/// once it hosts all `partitions` of its pipeline.
+fn start_hosting(
+    config: taskstream_server::Config,
+    name: &str,
+    processor: std::sync::Arc<dyn taskstream_server::Processor>,
+    partitions: usize,
+) -> taskstream_server::StreamsApp {
+    let app = taskstream_server::StreamsApp::builder(config)
+        .processor(name, processor)
+        .start()
+        .expect("start the instance");
+    eventually(&format!("the instance hosts all {partitions} partitions"), || {
+        app.hosted_partitions("counts").unwrap().len() == partitions
+    });
+    app
+}
+
 /// Polls `condition` until it holds or `DEADLINE` passes (then panics with `what`).
 fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
     let deadline = Instant::now() + DEADLINE;
@@ -764,18 +782,11 @@ fn rebalancing_and_restoring_are_described_and_answered_unavailable_with_retry_i
 /// read_committed reader sees them all, once.
 fn sink_outputs_reach_kafka(guarantee: taskstream_server::ProcessingGuarantee) {
     use bytes::Bytes;
-    use taskstream_server::{ProcessError, ProcessorContext, ProducerRecord, Record, StreamsApp};
+    use taskstream_server::{ProcessError, ProcessorContext, ProducerRecord, Record};
     let Some(broker) = broker() else { return };
-    let application = unique(&format!("sink-{}", guarantee.as_str().replace('_', "-")));
-    let topic = format!("{application}-events");
+    let prefix = format!("sink-{}", guarantee.as_str().replace('_', "-"));
+    let (application, topic, mut config) = consumer_app(broker, &prefix, 3);
     let sink = format!("{application}-out");
-    let mut config = group_config(
-        broker,
-        &application,
-        &topic,
-        3,
-        taskstream_server::GroupProtocol::Consumer,
-    );
     config.num_threads_per_task = 2;
     config.processing_guarantee = guarantee;
     config.pipelines[0].processor = taskstream_server::ProcessorSpec::Custom { name: "echo".into() };
@@ -789,13 +800,7 @@ fn sink_outputs_reach_kafka(guarantee: taskstream_server::ProcessingGuarantee) {
         ctx.emit(output);
         Ok::<(), ProcessError>(())
     });
-    let app = StreamsApp::builder(config)
-        .processor("echo", processor)
-        .start()
-        .expect("start the instance");
-    eventually("the instance hosts all 3 partitions", || {
-        app.hosted_partitions("counts").unwrap().len() == 3
-    });
+    let app = start_hosting(config, "echo", processor, 3);
     let records: Vec<ProducerRecord> = (0..3_000)
         .map(|i| ProducerRecord::keyed(format!("key-{}", i % 101), i.to_string()))
         .collect();
@@ -878,9 +883,7 @@ fn sink_outputs_reach_kafka_in_transactions_with_exactly_once_v2() {
 /// others run and are committed (each used to fail every commit of its task).
 #[test]
 fn records_too_large_for_kafka_fail_alone_and_wedge_nothing() {
-    use taskstream_server::{
-        ProcessError, ProcessorContext, ProducerRecord, Record, RuntimeError, StreamsApp,
-    };
+    use taskstream_server::{ProcessError, ProcessorContext, ProducerRecord, Record, RuntimeError};
     let Some(broker) = broker() else { return };
     let (application, topic, mut config) = consumer_app(broker, "too-large", 1);
     config.kafka.insert("message.max.bytes".into(), "2000".into());
@@ -893,13 +896,7 @@ fn records_too_large_for_kafka_fail_alone_and_wedge_nothing() {
         ctx.emit(ProducerRecord::keyed(key, vec![b'o'; size("big output")]));
         Ok::<(), ProcessError>(())
     });
-    let app = StreamsApp::builder(config)
-        .processor("sized", processor)
-        .start()
-        .expect("start the instance");
-    eventually("the instance hosts its partition", || {
-        app.hosted_partitions("counts").unwrap().len() == 1
-    });
+    let app = start_hosting(config, "sized", processor, 1);
     match app.produce(&topic, vec![ProducerRecord::keyed("k", vec![b'v'; 3_000])]) {
         Err(RuntimeError::InvalidArgument { field, message }) => {
             assert_eq!(field, "records");

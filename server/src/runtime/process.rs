@@ -677,11 +677,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
                 }
                 // An error no wait mends: not on its path, the record's
                 // outcome is final.
-                Err(error) => {
-                    let record = &mut outcomes[i];
-                    record.outcome = Outcome::Failed;
-                    record.error = Some(Arc::from(format!("could not append to `{topic}`: {error}")));
-                }
+                Err(error) => failed_to_append(&mut outcomes[i], topic, &error),
             }
         }
     }
@@ -701,6 +697,12 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
         retry_keys,
         outputs: emitted,
     }
+}
+
+/// Makes `outcome` final: failed, for its record could not go to `topic`.
+fn failed_to_append(outcome: &mut RecordOutcome, topic: &str, error: &LogError) {
+    outcome.outcome = Outcome::Failed;
+    outcome.error = Some(Arc::from(format!("could not append to `{topic}`: {error}")));
 }
 
 /// Moves the records of `outcomes[indices]` back among `returned` (in offset
@@ -884,9 +886,7 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: &mut Ve
                     attempts,
                     Some(&item.failure),
                 );
-                failed.error = Some(Arc::from(format!(
-                    "could not append to `{dead_letter_topic}`: {error}"
-                )));
+                failed_to_append(&mut failed, dead_letter_topic, &error);
                 outcomes.push(failed);
                 true
             }
