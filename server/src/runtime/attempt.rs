@@ -167,6 +167,7 @@ impl<'a> AttemptStore<'a> {
     /// The attempt succeeded: `apply` gets its writes (in order, to drain)
     /// while its keys are still locked, so no other attempt reads a key
     /// between this one's write and the store's. Answers the emptied buffer.
+    #[inline]
     pub(crate) fn succeed(self, apply: impl FnOnce(&mut Vec<Write>)) -> Vec<Write> {
         let mut writes = std::mem::take(&mut self.buffer().writes);
         apply(&mut writes);

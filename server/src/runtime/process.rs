@@ -14,7 +14,7 @@ use super::retry::{self, Failure, RetryItem};
 use super::scheduler::{RetriesDone, UnitContext, UnitDone};
 use super::shared::PipelineProcessor;
 use super::shared::Shared;
-use super::work::{Gating, KeySet, WorkUnit};
+use super::work::{Gating, HashMask, KeySet, WorkUnit};
 use crate::config::RetryPolicy;
 use crate::log::{LogError, ProducerRecord, Record};
 use crate::metadata::{MAX_OUTCOME_ERROR_BYTES, Outcome, RecordOutcome, outcome_key};
@@ -438,7 +438,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
     // The hashes of `failed_keys`, where the unit knows its records' hashes:
     // most records are not of a failed key, and this tells so without a read
     // of their keys, which are cold until the processor reads them.
-    let mut failed_hashes: foldhash::HashSet<u32> = foldhash::HashSet::default();
+    let mut failed_hashes = HashMask::default();
     let mut buffer: Vec<Write> = Vec::new();
     let remote = pipeline.processor.remote();
     let mut prefetched = Prefetched::default();
@@ -473,7 +473,7 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
             && !failed_keys.is_empty()
             && match unit.key_hash(i) {
                 Some(None) => false,
-                Some(Some(hash)) => failed_hashes.contains(&hash),
+                Some(Some(hash)) => failed_hashes.may_contain(hash),
                 None => true,
             }
             && record.key.as_ref().is_some_and(|k| failed_keys.contains(k));

@@ -92,6 +92,7 @@ impl TaskStore {
 
     /// Applies the writes of a successful attempt, draining `writes`. A memory
     /// store needs no tag: it is never frozen, only rebuilt from the log.
+    #[inline]
     pub(crate) fn apply(&self, tag: WriteTag, writes: &mut Vec<Write>, settled_below: u64) {
         match &self.backend {
             Backend::Memory(store) => {

@@ -227,10 +227,74 @@ enum Units {
 #[derive(Default)]
 struct KeyGate {
     keys: KeyMap<GateEntry>,
-    /// The murmur2 hashes of the keys in `keys`, each with how many of them
-    /// share it: a record whose hash is not here is not gated.
-    hashes: foldhash::HashMap<u32, u32>,
+    /// The murmur2 hashes of the keys in `keys`: a record whose hash it rules
+    /// out is not gated.
+    hashes: HashCounts,
     held_records: usize,
+}
+
+/// The slot of a key's murmur2 hash in a hash filter of `2^bits` slots: its
+/// top bits. The low bits pick the key's lane, so every record of a lane
+/// unit shares them and they would tell its keys apart poorly.
+fn filter_slot(hash: u32, bits: u32) -> usize {
+    (hash >> (32 - bits)) as usize
+}
+
+/// A counting filter over the hashes of a set of keys, answering "not in
+/// the set" with one load where a hash-set look-up took tens of
+/// instructions: asked for every record a lane gives while any key is
+/// gated, under the scheduler's lock (bench `retry`, parked-keys probe). A
+/// "maybe" (for about `gated keys / 1,024` of the other keys, while few are
+/// gated) is settled by the key itself. 4 KiB, taken when the task gates its
+/// first key.
+#[derive(Default)]
+struct HashCounts {
+    /// How many hashes of the set fall in each slot; empty until the first insert.
+    counts: Vec<u32>,
+}
+
+impl HashCounts {
+    const BITS: u32 = 10;
+
+    fn insert(&mut self, hash: u32) {
+        if self.counts.is_empty() {
+            self.counts = vec![0; 1 << Self::BITS];
+        }
+        self.counts[filter_slot(hash, Self::BITS)] += 1;
+    }
+
+    /// Takes back one `insert` of `hash`.
+    fn remove(&mut self, hash: u32) {
+        if let Some(count) = self.counts.get_mut(filter_slot(hash, Self::BITS)) {
+            debug_assert!(*count > 0, "a hash removed more often than inserted");
+            *count = count.saturating_sub(1);
+        }
+    }
+
+    /// False if no inserted hash (not removed since) is `hash`.
+    fn may_contain(&self, hash: u32) -> bool {
+        self.counts
+            .get(filter_slot(hash, Self::BITS))
+            .is_some_and(|&count| count > 0)
+    }
+}
+
+/// The hashes of the keys that failed in one unit, as 64 bits: whether a
+/// later record of the unit may be of such a key, without a look-up (see
+/// [`HashCounts`]). A unit's failed keys are few; with many, the answer is
+/// "maybe" more often and the key settles it.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct HashMask(u64);
+
+impl HashMask {
+    pub(crate) fn insert(&mut self, hash: u32) {
+        self.0 |= 1 << filter_slot(hash, 6);
+    }
+
+    /// False if no inserted hash is `hash`.
+    pub(crate) fn may_contain(self, hash: u32) -> bool {
+        self.0 & (1 << filter_slot(hash, 6)) != 0
+    }
 }
 
 #[derive(Default)]
@@ -244,6 +308,18 @@ struct GateEntry {
     /// behind them (held whatever the budget: parking one would let its retry
     /// run beside the unit).
     draining: bool,
+}
+
+impl GateEntry {
+    /// Holds `record`, of this entry's key, behind the key's earlier ones.
+    fn hold(&mut self, record: Record) {
+        if self.held.capacity() == 0 {
+            // A failed key holds about five records (bench `retry`,
+            // parked-keys probe): room for them at once, not by doubling.
+            self.held.reserve_exact(HELD_PER_KEY);
+        }
+        self.held.push_back(record);
+    }
 }
 
 pub(crate) struct WorkQueue {
@@ -458,16 +534,19 @@ impl WorkQueue {
                 while records.len() < cap {
                     let Some(queued) = queue.pop_front() else { break };
                     self.queued -= 1;
-                    if self.gating == Gating::Off || !self.gate.gates_queued(&queued) {
+                    let within_budget = self.gate.held_records < self.hold.budget;
+                    let entry = match self.gating {
+                        Gating::Off => None,
+                        Gating::Park | Gating::Hold => self.gate.entry_of(&queued),
+                    };
+                    let Some(entry) = entry else {
                         records.push(queued.record);
                         key_hashes.push(queued.key_hash);
                         continue;
-                    }
-                    if self.gating == Gating::Hold
-                        && (self.gate.held_records < self.hold.budget
-                            || self.gate.is_draining(&queued.record))
-                    {
-                        self.gate.hold(queued.record);
+                    };
+                    if self.gating == Gating::Hold && (within_budget || entry.draining) {
+                        entry.hold(queued.record);
+                        self.gate.held_records += 1;
                         continue;
                     }
                     let record = queued.record;
@@ -551,12 +630,10 @@ impl WorkQueue {
             // but records of keys that failed in it): no buffer sized for all.
             let mut to_lane = Vec::new();
             for record in returned {
-                if record
-                    .key
-                    .as_ref()
-                    .is_some_and(|k| self.gate.keys.contains_key(k))
-                {
-                    self.gate.hold(record);
+                let entry = record.key.as_ref().and_then(|k| self.gate.keys.get_mut(k));
+                if let Some(entry) = entry {
+                    entry.hold(record);
+                    self.gate.held_records += 1;
                 } else {
                     to_lane.push(record);
                 }
@@ -586,7 +663,7 @@ impl WorkQueue {
     pub(crate) fn gate_key(&mut self, key: &Bytes) {
         if self.gating != Gating::Off {
             let entry = self.gate.keys.entry(key.clone()).or_insert_with(|| {
-                *self.gate.hashes.entry(key_hash(key)).or_default() += 1;
+                self.gate.hashes.insert(key_hash(key));
                 GateEntry::default()
             });
             entry.on_retry_path += 1;
@@ -683,12 +760,7 @@ impl WorkQueue {
             return;
         };
         let hash = key_hash(key);
-        if let Some(sharing) = self.gate.hashes.get_mut(&hash) {
-            *sharing -= 1;
-            if *sharing == 0 {
-                self.gate.hashes.remove(&hash);
-            }
-        }
+        self.gate.hashes.remove(hash);
         self.gate.held_records -= entry.held.len();
         if let Units::Lanes { lanes, ready, .. } = &mut self.units
             && !entry.held.is_empty()
@@ -732,9 +804,7 @@ impl KeyGate {
     /// Reads the record's key only when its hash is among the gated keys'.
     fn gates_queued(&self, queued: &Queued) -> bool {
         !self.keys.is_empty()
-            && queued
-                .key_hash
-                .is_some_and(|hash| self.hashes.contains_key(&hash))
+            && queued.key_hash.is_some_and(|hash| self.hashes.may_contain(hash))
             && queued
                 .record
                 .key
@@ -742,28 +812,14 @@ impl KeyGate {
                 .is_some_and(|k| self.keys.contains_key(k))
     }
 
-    /// Holds `record`, whose key is gated, behind the key's earlier ones.
-    fn hold(&mut self, record: Record) {
-        let entry = record.key.as_ref().and_then(|key| self.keys.get_mut(key));
-        debug_assert!(entry.is_some(), "only a gated key's records are held");
-        if let Some(entry) = entry {
-            if entry.held.capacity() == 0 {
-                // A failed key holds about five records (bench `retry`,
-                // parked-keys probe): room for them at once, not by doubling.
-                entry.held.reserve_exact(HELD_PER_KEY);
-            }
-            entry.held.push_back(record);
-            self.held_records += 1;
+    /// The entry of `queued`'s key if the key is gated: one look-up, made
+    /// only when the key's hash may be a gated key's. The caller that holds
+    /// the record in it counts it in `held_records`.
+    fn entry_of(&mut self, queued: &Queued) -> Option<&mut GateEntry> {
+        if self.keys.is_empty() || !queued.key_hash.is_some_and(|hash| self.hashes.may_contain(hash)) {
+            return None;
         }
-    }
-
-    /// Whether `record`'s key has its held records running (see `GateEntry::draining`).
-    fn is_draining(&self, record: &Record) -> bool {
-        record
-            .key
-            .as_ref()
-            .and_then(|k| self.keys.get(k))
-            .is_some_and(|entry| entry.draining)
+        self.keys.get_mut(queued.record.key.as_ref()?)
     }
 
     fn take_held(&mut self, key: &Bytes) -> VecDeque<Record> {
@@ -803,6 +859,73 @@ fn lane_of(key_hash: Option<u32>, offset: u64, lanes: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest! {
+        /// Against a model (a multiset of hashes): a hash inserted more often
+        /// than removed is never ruled out, and once every insert is taken
+        /// back, nothing is let through.
+        #[test]
+        fn hash_counts_never_rule_out_a_hash_in_the_set(
+            steps in proptest::collection::vec((any::<bool>(), 0usize..24), 0..300),
+            hashes in proptest::collection::vec(any::<u32>(), 24),
+        ) {
+            let mut filter = HashCounts::default();
+            let mut model: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+            for (insert, at) in steps {
+                let hash = hashes[at];
+                if insert {
+                    filter.insert(hash);
+                    *model.entry(hash).or_default() += 1;
+                } else if let Some(count) = model.get_mut(&hash).filter(|c| **c > 0) {
+                    filter.remove(hash);
+                    *count -= 1;
+                }
+                for (&hash, &count) in &model {
+                    if count > 0 {
+                        prop_assert!(filter.may_contain(hash));
+                    }
+                }
+            }
+            for (hash, count) in model {
+                for _ in 0..count {
+                    filter.remove(hash);
+                }
+            }
+            for hash in hashes {
+                prop_assert!(!filter.may_contain(hash));
+            }
+        }
+
+        /// A unit's mask never rules out a failed key's hash, and rules out a
+        /// hash whose slot no failed key's hash shares.
+        #[test]
+        fn hash_mask_rules_out_only_hashes_outside_the_set(
+            inserted in proptest::collection::vec(any::<u32>(), 0..8),
+            asked in proptest::collection::vec(any::<u32>(), 0..64),
+        ) {
+            let mut mask = HashMask::default();
+            for &hash in &inserted {
+                mask.insert(hash);
+            }
+            for &hash in &inserted {
+                prop_assert!(mask.may_contain(hash));
+            }
+            for hash in asked {
+                let shares_a_slot = inserted.iter().any(|&h| filter_slot(h, 6) == filter_slot(hash, 6));
+                prop_assert_eq!(mask.may_contain(hash), shares_a_slot);
+            }
+        }
+    }
+
+    #[test]
+    fn filter_slots_come_from_the_top_bits_not_the_lane_bits() {
+        // Hashes that differ only in their low bits share a lane of a
+        // power-of-two lane count, and a filter slot of their top bits.
+        assert_eq!(filter_slot(0xABC0_0001, 10), filter_slot(0xABC0_FFFF, 10));
+        assert_ne!(filter_slot(0x0000_0007, 10), filter_slot(0xFFC0_0007, 10));
+        assert_eq!(filter_slot(u32::MAX, 6), 63);
+        assert_eq!(filter_slot(u32::MAX, 10), 1023);
+    }
 
     fn record(key: &str, offset: u64) -> Record {
         Record {
