@@ -9,12 +9,9 @@
 
 mod common;
 
+use common::instance::{Instance, Launch, add, counts_of, own_partitions, share_all};
 use common::kafka::{broker, unique};
-use common::server_binary;
 use std::collections::BTreeMap;
-use std::io::{BufRead as _, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use taskstream_client::v1::streams_service_client::StreamsServiceClient;
 use taskstream_client::{StreamsClient, keyed_record};
@@ -22,125 +19,6 @@ use tonic_types::StatusExt as _;
 
 /// Bound on anything the server should do promptly (start, catch up).
 const DEADLINE: Duration = Duration::from_secs(60);
-
-/// The server binary, killed on drop.
-struct ServerProcess {
-    child: Child,
-    addr: String,
-    stdout: Vec<String>,
-}
-
-impl ServerProcess {
-    /// Starts the binary on port 0 with memory stores and waits for
-    /// `taskstream listening on ADDR`.
-    fn start(config: &std::path::Path, bootstrap: &str) -> ServerProcess {
-        ServerProcess::start_with(config, bootstrap, None)
-    }
-
-    /// `start`, with persistent stores in `data_dir` if given.
-    fn start_with(
-        config: &std::path::Path,
-        bootstrap: &str,
-        data_dir: Option<&std::path::Path>,
-    ) -> ServerProcess {
-        let mut command = Command::new(server_binary());
-        for (name, _) in std::env::vars_os() {
-            if name.to_string_lossy().starts_with("TASKSTREAM_") {
-                command.env_remove(name);
-            }
-        }
-        command.env("RUST_LOG", "info").arg("--config").arg(config).args([
-            "--bootstrap-servers",
-            bootstrap,
-            "--listen",
-            "127.0.0.1:0",
-        ]);
-        match data_dir {
-            Some(dir) => command.arg("--data-dir").arg(dir),
-            None => command.arg("--in-memory"),
-        };
-        command
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        let mut child = command.spawn().expect("start the server binary");
-        let stdout = child.stdout.take().expect("stdout");
-        let (lines, received) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if lines.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        let mut server = ServerProcess {
-            child,
-            addr: String::new(),
-            stdout: Vec::new(),
-        };
-        let deadline = Instant::now() + DEADLINE;
-        while let Ok(line) = received.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            let addr = line.strip_prefix("taskstream listening on ").map(str::to_owned);
-            server.stdout.push(line);
-            if let Some(addr) = addr {
-                server.addr = format!("http://{addr}");
-                return server;
-            }
-        }
-        let status = server.child.try_wait().ok().flatten();
-        panic!(
-            "the server did not print `taskstream listening on` (exit: {status:?}); stdout:\n{}",
-            server.stdout.join("\n")
-        );
-    }
-}
-
-impl ServerProcess {
-    /// SIGTERM, then waits (bounded) for the exit; answers whether it was clean.
-    fn terminate(&mut self) -> bool {
-        let sent = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(sent.success(), "kill -TERM failed: {sent}");
-        let deadline = Instant::now() + DEADLINE;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("wait for the server") {
-                return status.success();
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the server did not exit within {DEADLINE:?} of SIGTERM"
-            );
-            // Polling the process: it drains and commits first.
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl ServerProcess {
-    /// SIGKILL: no drain, no commit, no leaving the group.
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    /// The port it listens on (and advertises as `application_server`).
-    fn port(&self) -> u32 {
-        self.addr
-            .rsplit(':')
-            .next()
-            .and_then(|port| port.parse().ok())
-            .expect("a port in the address")
-    }
-}
-
-impl Drop for ServerProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// The keys of the repository's Kafka partitioner vectors (computed with
 /// Kafka's own partitioner) with the partition Kafka picks among 8; the
@@ -194,7 +72,7 @@ fn produce_through_grpc_and_query_counts_with_the_topics_in_kafka() {
         ),
     )
     .expect("write the config");
-    let mut server = ServerProcess::start(&config, &broker.bootstrap);
+    let mut server = Launch::kafka(&config, &broker.bootstrap).start();
     assert!(
         server
             .stdout
@@ -1288,66 +1166,6 @@ impl Flow {
     }
 }
 
-/// The partitions of `counts` an instance says it hosts itself (its own
-/// entry of ProcessMetadataForStore); `None` while it cannot answer.
-async fn own_partitions(server: &ServerProcess) -> Option<Vec<u32>> {
-    let client = StreamsClient::connect(server.addr.as_str()).await.ok()?;
-    let metadata = client.process_metadata_for_store("counts", false).await.ok()?;
-    let own = metadata
-        .metadata
-        .into_iter()
-        .find(|m| m.host_info.as_ref().is_some_and(|h| h.port == server.port()))?;
-    let mut partitions: Vec<u32> = own.topic_partitions.iter().map(|tp| tp.partition).collect();
-    partitions.sort_unstable();
-    Some(partitions)
-}
-
-/// Whether `servers` host disjoint shares of the `partitions`, each at least one, covering all.
-async fn share_all(servers: &[&ServerProcess], partitions: u32) -> bool {
-    let mut all = Vec::new();
-    for server in servers {
-        match own_partitions(server).await {
-            Some(own) if !own.is_empty() => all.extend(own),
-            _ => return false,
-        }
-    }
-    all.sort_unstable();
-    all == (0..partitions).collect::<Vec<_>>()
-}
-
-/// The counts of `servers`' own partitions, summed per key; `None` while one cannot answer.
-async fn counts_of(servers: &[&ServerProcess]) -> Option<BTreeMap<String, u64>> {
-    let mut counts = BTreeMap::new();
-    for server in servers {
-        let partitions = own_partitions(server).await?;
-        let client = StreamsClient::connect(server.addr.as_str()).await.ok()?;
-        let request = taskstream_client::v1::QueryRequest {
-            store: "counts".into(),
-            query: Some(taskstream_client::v1::query_request::Query::Range(
-                taskstream_client::v1::RangeQuery::default(),
-            )),
-            partitions,
-            ..Default::default()
-        };
-        let response = client.query(request).await.ok()?;
-        for entry in response.results.into_iter().flat_map(|r| r.entries) {
-            let count: u64 = String::from_utf8_lossy(&entry.value).parse().ok()?;
-            *counts
-                .entry(String::from_utf8_lossy(&entry.key).into_owned())
-                .or_default() += count;
-        }
-    }
-    Some(counts)
-}
-
-fn add(a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>) -> BTreeMap<String, u64> {
-    let mut sum = a.clone();
-    for (key, n) in b {
-        *sum.entry(key.clone()).or_default() += n;
-    }
-    sum
-}
-
 /// Three instances of the server binary (memory stores) share 6 partitions
 /// while records flow. One is killed with SIGKILL: its partitions move to
 /// the two others, which restore its stores from the changelog and count
@@ -1412,15 +1230,19 @@ fn fail_over(guarantee: &str, stores: Stores) {
         ),
     )
     .expect("write the config");
-    let start = |i: usize| ServerProcess::start_with(&config, &broker.bootstrap, data_dirs[i].as_deref());
-    let mut servers: Vec<ServerProcess> = (0..3).map(start).collect();
+    let start = |i: usize| {
+        Launch::kafka(&config, &broker.bootstrap)
+            .data_dir(data_dirs[i].as_deref())
+            .start()
+    };
+    let mut servers: Vec<Instance> = (0..3).map(start).collect();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .expect("a tokio runtime");
-    let share = |servers: &[&ServerProcess]| runtime.block_on(share_all(servers, 6));
-    let counts = |servers: &[&ServerProcess]| runtime.block_on(counts_of(servers));
+    let share = |servers: &[&Instance]| runtime.block_on(share_all(servers, "counts", 6));
+    let counts = |servers: &[&Instance]| runtime.block_on(counts_of(servers, "counts"));
     eventually("three instances share the 6 partitions", || {
         share(&[&servers[0], &servers[1], &servers[2]])
     });
@@ -1431,7 +1253,7 @@ fn fail_over(guarantee: &str, stores: Stores) {
         counts(&[&servers[0], &servers[1], &servers[2]]).is_some_and(|c| c.values().sum::<u64>() >= 3_000)
     });
     let victim = runtime
-        .block_on(own_partitions(&servers[1]))
+        .block_on(own_partitions(&servers[1], "counts"))
         .expect("the victim's partitions");
     servers[1].kill();
     let killed_at = Instant::now();

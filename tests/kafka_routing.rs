@@ -9,12 +9,9 @@
 
 mod common;
 
+use common::instance::{Instance, Launch};
 use common::kafka::{Broker, broker, unique};
-use common::server_binary;
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead as _, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use taskstream_client::{ClientError, MetadataBatch, MetadataOptions, StreamsClient, keyed_record, v1};
 use taskstream_server::Log as _;
@@ -147,74 +144,13 @@ fn instances_publish_what_they_hold_to_the_metadata_topic() {
     first.shutdown().expect("the first instance stops");
 }
 
-/// The server binary on port 0, killed on drop.
-struct ServerProcess {
-    child: Child,
-    /// `host:port` it answers on (and advertises).
-    address: String,
-    stdout: Vec<String>,
-}
-
-impl ServerProcess {
-    fn start(config: &std::path::Path, bootstrap: &str, env: &[(&str, &str)]) -> ServerProcess {
-        let mut command = Command::new(server_binary());
-        for (name, _) in std::env::vars_os() {
-            if name.to_string_lossy().starts_with("TASKSTREAM_") {
-                command.env_remove(name);
-            }
-        }
-        command
-            .envs(env.iter().copied())
-            .env("RUST_LOG", "warn")
-            .arg("--config")
-            .arg(config)
-            .args([
-                "--bootstrap-servers",
-                bootstrap,
-                "--in-memory",
-                "--listen",
-                "127.0.0.1:0",
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        let mut child = command.spawn().expect("start the server binary");
-        let stdout = child.stdout.take().expect("stdout");
-        let (lines, received) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if lines.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        let mut server = ServerProcess {
-            child,
-            address: String::new(),
-            stdout: Vec::new(),
-        };
-        let deadline = Instant::now() + DEADLINE;
-        while let Ok(line) = received.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            let address = line.strip_prefix("taskstream listening on ").map(str::to_owned);
-            server.stdout.push(line);
-            if let Some(address) = address {
-                server.address = address;
-                return server;
-            }
-        }
-        let status = server.child.try_wait().ok().flatten();
-        panic!(
-            "the server did not print `taskstream listening on` (exit: {status:?}); stdout:\n{}",
-            server.stdout.join("\n")
-        );
-    }
-}
-
-impl Drop for ServerProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// The server binary on Kafka with memory stores, logging warnings only.
+fn start(config: &std::path::Path, bootstrap: &str, env: &[(&str, &str)]) -> Instance {
+    env.iter()
+        .fold(Launch::kafka(config, bootstrap).log_filter("warn"), |launch, (name, value)| {
+            launch.env(name, value)
+        })
+        .start()
 }
 
 fn host_of(host: Option<&v1::HostInfo>) -> String {
@@ -323,9 +259,9 @@ fn three_server_binaries_answer_for_each_other() {
     )
     .expect("write the config");
     let servers = [
-        ServerProcess::start(&config, &broker.bootstrap, &[]),
-        ServerProcess::start(&config, &broker.bootstrap, &[]),
-        ServerProcess::start(
+        start(&config, &broker.bootstrap, &[]),
+        start(&config, &broker.bootstrap, &[]),
+        start(
             &config,
             &broker.bootstrap,
             &[("TASKSTREAM_FORWARD_QUERIES", "false")],
@@ -579,8 +515,8 @@ fn two_tls_instances_forward_queries_to_each_other_over_mutual_tls() {
         ("TASKSTREAM_TLS_PEER_CA", ca.as_str()),
     ];
     let servers = [
-        ServerProcess::start(&config, &broker.bootstrap, &env),
-        ServerProcess::start(&config, &broker.bootstrap, &env),
+        start(&config, &broker.bootstrap, &env),
+        start(&config, &broker.bootstrap, &env),
     ];
     for server in &servers {
         assert!(

@@ -6,6 +6,8 @@
 
 #[allow(dead_code)]
 pub mod auth;
+#[allow(dead_code)]
+pub mod instance;
 pub mod kafka;
 #[allow(dead_code)]
 pub mod tools;
