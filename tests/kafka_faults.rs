@@ -159,13 +159,20 @@ impl Application {
 /// every record produced before and after the kill.
 fn survivors_commit_after_a_sigkill(guarantee: &str) {
     let Some(broker) = broker() else { return };
-    let app = Application::new(&format!("sigkill-commits-{}", guarantee.replace('_', "-")), guarantee);
+    let app = Application::new(
+        &format!("sigkill-commits-{}", guarantee.replace('_', "-")),
+        guarantee,
+    );
     let logs = app.logs();
     println!("application {} in {}", app.name, app.dir.path().display());
     let mut instances: Vec<Instance> = (0..3).map(|i| app.start(broker, i)).collect();
     let runtime = runtime();
     eventually("three instances share the partitions", &logs, || {
-        runtime.block_on(share_all(&instances.iter().collect::<Vec<_>>(), "counts", PARTITIONS))
+        runtime.block_on(share_all(
+            &instances.iter().collect::<Vec<_>>(),
+            "counts",
+            PARTITIONS,
+        ))
     });
 
     let before = produce(broker, &app.topic, "key", 6_000, 600);
@@ -199,7 +206,7 @@ fn survivors_commit_after_a_sigkill(guarantee: &str) {
                     Err(()) => behind.push(format!("{} does not answer", survivor.address)),
                 }
             }
-            if !behind.is_empty() && killed_at.elapsed().as_secs() % 10 == 0 {
+            if !behind.is_empty() && killed_at.elapsed().as_secs().is_multiple_of(10) {
                 println!("still behind: {behind:?}");
             }
             behind.is_empty()
@@ -211,7 +218,9 @@ fn survivors_commit_after_a_sigkill(guarantee: &str) {
         let Some(counts) = runtime.block_on(counts_of(&survivors, "counts")) else {
             return false;
         };
-        let done = expected.iter().all(|(key, n)| counts.get(key).is_some_and(|c| c >= n));
+        let done = expected
+            .iter()
+            .all(|(key, n)| counts.get(key).is_some_and(|c| c >= n));
         last = counts;
         done
     });

@@ -147,9 +147,10 @@ fn instances_publish_what_they_hold_to_the_metadata_topic() {
 /// The server binary on Kafka with memory stores, logging warnings only.
 fn start(config: &std::path::Path, bootstrap: &str, env: &[(&str, &str)]) -> Instance {
     env.iter()
-        .fold(Launch::kafka(config, bootstrap).log_filter("warn"), |launch, (name, value)| {
-            launch.env(name, value)
-        })
+        .fold(
+            Launch::kafka(config, bootstrap).log_filter("warn"),
+            |launch, (name, value)| launch.env(name, value),
+        )
         .start()
 }
 

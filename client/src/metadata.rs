@@ -209,6 +209,11 @@ pub struct CompletedRange {
     pub last_offset: i64,
     /// How many records of the callback's `records` came from this range.
     pub record_count: usize,
+    /// The range was processed again after its task was revived from its last
+    /// commit (an aborted transaction under `exactly_once_v2`): the outcomes of
+    /// its records were reported before, and their earlier effects never became
+    /// visible.
+    pub reprocessed: bool,
 }
 
 /// What one successful callback receives.
@@ -268,6 +273,7 @@ impl MetadataBatch {
             first_offset: batch.first_offset,
             last_offset: batch.last_offset,
             record_count: batch.records.len(),
+            reprocessed: batch.reprocessed,
         });
         self.records.extend(
             batch
@@ -338,6 +344,7 @@ mod tests {
             thread: thread.into(),
             first_offset: *offsets.start(),
             last_offset: *offsets.end(),
+            reprocessed: false,
             records: offsets.map(|o| record(o, v1::RecordOutcome::Processed)).collect(),
         }
     }

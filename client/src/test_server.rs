@@ -68,6 +68,7 @@ pub(crate) fn batch(partition: u32, offsets: std::ops::RangeInclusive<i64>) -> I
             thread: "stream-thread-1".into(),
             first_offset: *offsets.start(),
             last_offset: *offsets.end(),
+            reprocessed: false,
             records: offsets
                 .map(|offset| v1::RecordMetadata {
                     offset,

@@ -3,7 +3,6 @@
 //! (SIGKILL, SIGTERM, SIGSTOP/SIGCONT) and killed on drop. The Kafka tests
 //! start several of one application; what they ask of a running instance
 //! over gRPC (its own partitions and tasks, its counts) is here too.
-#![allow(dead_code)]
 
 use super::server_binary;
 use std::collections::BTreeMap;
@@ -112,10 +111,7 @@ impl Instance {
             ),
             None => Stdio::inherit(),
         };
-        command
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(stderr);
+        command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(stderr);
         let mut child = command.spawn().expect("start the server binary");
         let stdout = child.stdout.take().expect("stdout");
         let (lines, received) = mpsc::channel();

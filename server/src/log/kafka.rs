@@ -86,6 +86,11 @@ const FETCH_WAIT: Duration = Duration::from_secs(30);
 /// being revoked.
 const REVOCATION_CHECK: Duration = Duration::from_millis(100);
 
+/// How long a read below the end offset waits on the shared reader before
+/// it asks a fresh one (`reread`): the range may hold only aborted records
+/// and markers, whose end the shared handle may never report.
+const REREAD_AFTER: Duration = Duration::from_secs(2);
+
 /// The reader's group id: needed by librdkafka for manual assignment; the
 /// reader never joins or commits, so it creates no group on the broker.
 const READER_GROUP: &str = "taskstream-log-reader";
@@ -174,6 +179,16 @@ pub struct KafkaLog {
     /// exactly_once_v2: each task's transaction, under every partition it
     /// writes (retry, dead-letter, changelog). Appends to them go through it.
     transactions: RwLock<HashMap<(String, u32), Arc<TaskTransaction>>>,
+    /// Per handle (the group's consumer or the reader) and partition, the
+    /// end offset at which librdkafka last reported the partition's end
+    /// (`enable.partition.eof`). It reports each end offset once for the
+    /// life of the handle, seeks or not, so a read below an end reported
+    /// already cannot learn from it where the readable records end (see
+    /// `reread`).
+    eof_reported: Mutex<HashMap<(bool, String, u32), u64>>,
+    /// Transactional ids whose next commit aborts (tests: `inject_abort`).
+    #[cfg(any(test, feature = "fault-injection"))]
+    injected_aborts: Mutex<HashSet<String>>,
     /// The consumer group joined (`join_group`): reads of its partitions and
     /// commits of its offsets go through it.
     group: RwLock<Option<Arc<Group>>>,
@@ -375,6 +390,9 @@ impl KafkaLog {
             partition_readers: Mutex::new(HashMap::new()),
             committers: Mutex::new(HashMap::new()),
             transactions: RwLock::new(HashMap::new()),
+            eof_reported: Mutex::new(HashMap::new()),
+            #[cfg(any(test, feature = "fault-injection"))]
+            injected_aborts: Mutex::new(HashSet::new()),
             group: RwLock::new(None),
             watermark_cache: Mutex::new(HashMap::new()),
             partition_counts: RwLock::new(HashMap::new()),
@@ -1384,6 +1402,25 @@ impl KafkaLog {
         let reader: &mut PartitionReader = &mut guard;
         // At the end the reader still stands at `offset`, so that records
         // appended there fill the queue and fire its callback.
+        // Below an end librdkafka said already (through this reader, or one
+        // released since: librdkafka keeps what it said per partition), it
+        // will not say it again, and a read would wait for records that may
+        // all be markers or aborted. Every record below that end was queued
+        // before it was said, so a reader standing there has only such left.
+        // The shared reader stays where it is.
+        if offset < end && end > reader.eof_end {
+            let eof_key = (slot.group, topic.to_string(), partition);
+            let reported = self
+                .eof_reported
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&eof_key)
+                .copied();
+            if reported.is_some_and(|reported| reported >= end) {
+                drop(guard);
+                return self.reread(topic, partition, offset, max, end, take);
+            }
+        }
         if reader.next != offset {
             self.seek(reader, offset)?;
         }
@@ -1393,13 +1430,13 @@ impl KafkaLog {
         // goes from empty to non-empty, so nothing may linger there.
         let mut promised = offset < end && end > reader.eof_end;
         let mut taken = 0;
-        let deadline = Instant::now() + FETCH_WAIT;
+        let started = Instant::now();
         while taken < max {
             // Wait only for the first record; then take what is already here.
             // A wait is cut in slices, to notice a revocation.
             let wait = if promised && taken == 0 {
-                deadline
-                    .saturating_duration_since(Instant::now())
+                REREAD_AFTER
+                    .saturating_sub(started.elapsed())
                     .min(REVOCATION_CHECK)
             } else {
                 Duration::ZERO
@@ -1443,6 +1480,11 @@ impl KafkaLog {
                 Some(Err(KafkaError::PartitionEOF(_))) => {
                     reader.eof_end = end;
                     promised = false;
+                    let mut reported = self.eof_reported.lock().unwrap_or_else(|e| e.into_inner());
+                    let at = reported
+                        .entry((slot.group, topic.to_string(), partition))
+                        .or_default();
+                    *at = (*at).max(end);
                 }
                 Some(Err(e)) => {
                     if taken > 0 {
@@ -1455,10 +1497,75 @@ impl KafkaLog {
                         "{topic}-{partition} is being revoked from this member"
                     )));
                 }
-                None if promised && taken == 0 && Instant::now() < deadline => {}
-                None if promised && taken == 0 => {
+                None if promised && taken == 0 && started.elapsed() >= REREAD_AFTER => {
+                    drop(guard);
+                    return self.reread(topic, partition, offset, max, end, take);
+                }
+                None if promised && taken == 0 => {}
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
+    /// `read_messages` of a range below an end offset whose end the shared
+    /// handle reported already (see `eof_reported`), through a consumer made
+    /// for this read alone: a fresh handle reports where the readable
+    /// records end. Costs a client of its own (tens of milliseconds): taken
+    /// only on the way back over a range read before, such as a task revived
+    /// from its last commit after an aborted transaction.
+    fn reread(
+        &self,
+        topic: &str,
+        partition: u32,
+        offset: u64,
+        max: usize,
+        end: u64,
+        take: &mut dyn FnMut(&BorrowedMessage<'_>),
+    ) -> Result<(), LogError> {
+        let consumer: BaseConsumer<ClientLog> = self
+            .client_config(READER_DEFAULTS)
+            .set("client.id", "taskstream-rereader")
+            .set("group.id", READER_GROUP)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("enable.partition.eof", "true")
+            .set("auto.offset.reset", "error")
+            .set("allow.auto.create.topics", "false")
+            .create_with_context(ClientLog)
+            .map_err(client_error("re-reader consumer"))?;
+        let mut assignment = TopicPartitionList::new();
+        assignment
+            .add_partition_offset(topic, partition as i32, Offset::Offset(offset as i64))
+            .map_err(unavailable("assignment"))?;
+        consumer.assign(&assignment).map_err(unavailable("assign"))?;
+        let deadline = Instant::now() + FETCH_WAIT;
+        let mut taken = 0;
+        while taken < max {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            match consumer.poll(if taken == 0 { wait } else { Duration::ZERO }) {
+                Some(Ok(message)) => {
+                    let at = message.offset().max(0) as u64;
+                    if at >= end {
+                        break;
+                    }
+                    take(&message);
+                    taken += 1;
+                }
+                Some(Err(KafkaError::PartitionEOF(_))) => break,
+                Some(Err(e)) => {
+                    if taken > 0 {
+                        break;
+                    }
                     return Err(LogError::Unavailable(format!(
-                        "{topic}-{partition} holds offsets up to {end} but none arrived from {offset} within {FETCH_WAIT:?}"
+                        "re-reading {topic}-{partition}: {e}"
+                    )));
+                }
+                None if taken == 0 && Instant::now() < deadline => {}
+                None if taken == 0 => {
+                    return Err(LogError::Unavailable(format!(
+                        "{topic}-{partition} holds offsets up to {end} but none arrived from {offset} within {:?} (an open transaction holds them back?)",
+                        FETCH_WAIT + REREAD_AFTER
                     )));
                 }
                 None => break,
@@ -1561,8 +1668,9 @@ impl KafkaLog {
     /// Commits the open transaction of `transactional_id` with the group's
     /// `offsets` (topic, partition, next offset, metadata; sent with the group's
     /// metadata, so a fenced member cannot commit), then opens the next.
-    /// On failure the transaction is aborted — its writes are gone — and a
-    /// new one opened.
+    /// On failure the transaction is aborted — its writes are gone — and
+    /// `LogError::TransactionAborted` says whether the producer goes on with
+    /// a new transaction or was fenced (then it is dropped).
     pub fn commit_transaction(
         &self,
         transactional_id: &str,
@@ -1585,20 +1693,96 @@ impl KafkaLog {
                 .map_err(unavailable("offsets"))?;
             set_metadata(&mut list, topic, *partition, offset_metadata);
         }
-        let _alone = transaction.gate.write().unwrap_or_else(|e| e.into_inner());
+        let alone = transaction.gate.write().unwrap_or_else(|e| e.into_inner());
         let producer = &transaction.producer;
+        #[cfg(any(test, feature = "fault-injection"))]
+        if self.take_injected_abort(transactional_id) {
+            let aborted = producer
+                .abort_transaction(REQUEST_TIMEOUT)
+                .and_then(|()| producer.begin_transaction());
+            return Err(LogError::TransactionAborted {
+                transaction: transactional_id.to_string(),
+                reason: "injected abort".into(),
+                fenced: aborted.is_err(),
+            });
+        }
         let committed = producer
             .send_offsets_to_transaction(&list, &metadata, REQUEST_TIMEOUT)
             .and_then(|()| producer.commit_transaction(REQUEST_TIMEOUT));
-        if let Err(e) = committed {
-            tracing::error!(transaction = transactional_id, error = %e, "transaction aborted");
-            let _ = producer.abort_transaction(REQUEST_TIMEOUT);
-            let _ = producer.begin_transaction();
-            return Err(unavailable("commit transaction")(e));
+        let Err(error) = committed else {
+            return producer
+                .begin_transaction()
+                .map_err(unavailable("begin transaction"));
+        };
+        // Its writes are gone either way; what is left to decide is whether
+        // this producer may go on (abortable) or was fenced for good.
+        let fenced = is_fenced(&error)
+            || producer
+                .abort_transaction(REQUEST_TIMEOUT)
+                .and_then(|()| producer.begin_transaction())
+                .is_err();
+        drop(alone);
+        if fenced {
+            self.forget_transaction(transactional_id);
         }
-        producer
-            .begin_transaction()
-            .map_err(unavailable("begin transaction"))
+        Err(LogError::TransactionAborted {
+            transaction: transactional_id.to_string(),
+            reason: error.to_string(),
+            fenced,
+        })
+    }
+
+    /// Fault injection for tests: the next commit of `transactional_id`
+    /// aborts its transaction (really: its writes are gone) instead.
+    #[cfg(any(test, feature = "fault-injection"))]
+    pub fn inject_abort(&self, transactional_id: &str) {
+        self.injected_aborts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(transactional_id.to_string());
+    }
+
+    #[cfg(any(test, feature = "fault-injection"))]
+    fn take_injected_abort(&self, transactional_id: &str) -> bool {
+        self.injected_aborts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(transactional_id)
+    }
+
+    /// Aborts the open transaction of `transactional_id` and opens the next
+    /// on the same producer, fencing no one: what a task revived after an
+    /// abort starts from (the old incarnation may have appended since).
+    /// Answers false if there is no usable producer of that id (none, or
+    /// fenced): the caller then begins transactions anew.
+    pub fn restart_transaction(&self, transactional_id: &str) -> bool {
+        let Ok(transaction) = self.transaction(transactional_id) else {
+            return false;
+        };
+        let _alone = transaction.gate.write().unwrap_or_else(|e| e.into_inner());
+        let producer = &transaction.producer;
+        // Aborting with no open transaction fails; beginning then decides.
+        let _ = producer.abort_transaction(REQUEST_TIMEOUT);
+        producer.begin_transaction().is_ok()
+    }
+
+    /// Whether a transactional producer of `transactional_id` is here.
+    pub fn has_transaction(&self, transactional_id: &str) -> bool {
+        self.transaction(transactional_id).is_ok()
+    }
+
+    /// Whether the group assigns `topic`-`partition` to this member now,
+    /// its assignment not lost: only then may a task of it start here
+    /// outside a rebalance (a revival after an aborted transaction).
+    pub fn holds(&self, topic: &str, partition: u32) -> bool {
+        let Some(group) = self.group.read().unwrap_or_else(|e| e.into_inner()).clone() else {
+            return false;
+        };
+        !group.consumer.assignment_lost()
+            && group
+                .consumer
+                .assignment()
+                .is_ok_and(|tpl| tpl.find_partition(topic, partition as i32).is_some())
     }
 
     /// Appends `records` (keyed or not, any partition: a sink topic's) inside
@@ -1631,6 +1815,15 @@ impl KafkaLog {
             .find(|t| t.id == transactional_id)
             .cloned()
             .ok_or_else(|| LogError::Unavailable(format!("no transaction {transactional_id}")))
+    }
+
+    /// Drops the transactional producer of `transactional_id` without
+    /// touching its transaction (it was fenced: the broker ended it).
+    fn forget_transaction(&self, transactional_id: &str) {
+        self.transactions
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|_, t| t.id != transactional_id);
     }
 
     /// Drops the transactional producer of `transactional_id` (its task
@@ -1985,6 +2178,27 @@ fn set_metadata(offsets: &mut TopicPartitionList, topic: &str, partition: u32, m
     }
     if let Some(mut element) = offsets.find_partition(topic, partition as i32) {
         element.set_metadata(metadata);
+    }
+}
+
+/// Whether a failed transaction's producer was fenced for good (another
+/// producer of its id, or the broker bumped its epoch): it cannot go on.
+fn is_fenced(error: &KafkaError) -> bool {
+    use RDKafkaErrorCode::{
+        Fenced, InvalidProducerEpoch, ProducerFenced, TransactionalIdAuthorizationFailed,
+    };
+    match error {
+        KafkaError::Transaction(e) => {
+            e.is_fatal()
+                || matches!(
+                    e.code(),
+                    Fenced | ProducerFenced | InvalidProducerEpoch | TransactionalIdAuthorizationFailed
+                )
+        }
+        _ => matches!(
+            error.rdkafka_error_code(),
+            Some(Fenced | ProducerFenced | InvalidProducerEpoch)
+        ),
     }
 }
 

@@ -93,6 +93,16 @@ pub enum LogError {
     /// append is written; refused by the broker, the others may be.
     #[error("`{topic}` refuses the record: {reason}")]
     Rejected { topic: String, reason: String },
+    /// A transaction did not commit: everything written in it is gone
+    /// (exactly_once_v2). `fenced`: its producer cannot go on (another
+    /// producer of the id, or the broker, fenced it); else it has a new
+    /// transaction open.
+    #[error("transaction {transaction} aborted: {reason}")]
+    TransactionAborted {
+        transaction: String,
+        reason: String,
+        fenced: bool,
+    },
     /// The data on disk cannot be read or written: corrupt, unreadable, full.
     #[error("data file {path}: {message}")]
     Storage { path: String, message: String },

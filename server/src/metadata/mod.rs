@@ -284,6 +284,10 @@ pub struct OutcomeBatch {
     /// The highest offset among `records`.
     pub last_offset: u64,
     pub records: Vec<RecordOutcome>,
+    /// The records ran before, in an incarnation of the task whose
+    /// transaction aborted (exactly_once_v2): these outcomes replace the
+    /// ones published then, whose effects are gone.
+    pub reprocessed: bool,
 }
 
 #[cfg(test)]

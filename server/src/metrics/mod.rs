@@ -30,6 +30,7 @@ pub const TASK_IN_FLIGHT: &str = "taskstream_task_in_flight_records";
 pub const TASK_HELD: &str = "taskstream_task_sequencer_held_records";
 pub const THREAD_BUSY: &str = "taskstream_thread_busy_microseconds_total";
 pub const COMMIT_DURATION: &str = "taskstream_commit_duration_seconds";
+pub const TASK_LAST_COMMIT: &str = "taskstream_task_last_commit_timestamp_seconds";
 pub const RESTORE_REMAINING: &str = "taskstream_restore_remaining_records";
 pub const SUBSCRIBERS: &str = "taskstream_stream_subscribers";
 pub const SUBSCRIBER_LAGGED: &str = "taskstream_subscriber_lagged_batches_total";
@@ -111,6 +112,12 @@ fn describe() {
     metrics::describe_gauge!(
         TASK_ACTIVE_THREADS,
         "Threads inside a task at the last sample (commit round)"
+    );
+    metrics::describe_gauge!(
+        TASK_LAST_COMMIT,
+        metrics::Unit::Seconds,
+        "When the task's last commit succeeded (Unix time, seconds): `time() - this` is the age of what its \
+         persistent store's queries and the group's offsets show"
     );
     metrics::describe_gauge!(
         TASK_IN_FLIGHT,

@@ -9,7 +9,7 @@ use super::builder::AppBuilder;
 use super::pages::check_range_order;
 use super::shared::Shared;
 use super::subscription::{EndAt, OutcomeSubscription, PartitionRange, StartAt, SubscribeRequest};
-use super::task::{TaskInit, task_id};
+use super::task::{Task, TaskInit, task_id};
 use super::{RuntimeError, commit, describe, driver, recovery};
 use crate::config::{Config, ProcessingOrder};
 use crate::log::{Log, ProducerRecord, RecordPosition, partition_for_key};
@@ -484,6 +484,21 @@ impl StreamsApp {
         Ok(scheduler.threads()[victim].name().to_string())
     }
 
+    /// Fault injection for tests (exactly_once_v2 on Kafka): the next commit
+    /// of task `task_id` aborts its transaction, as a transaction timeout or
+    /// a rebalance in its way would; the runtime must revive the task.
+    #[cfg(any(test, feature = "fault-injection"))]
+    pub fn inject_transaction_abort(&self, task_id: &str) -> Result<(), RuntimeError> {
+        let shared = self.shared();
+        let kafka = shared
+            .log
+            .as_kafka()
+            .filter(|_| shared.exactly_once())
+            .ok_or_else(|| RuntimeError::Internal("transactions need exactly_once_v2 on Kafka".into()))?;
+        kafka.inject_abort(&shared.transactional_id(task_id));
+        Ok(())
+    }
+
     /// Fault injection for tests: the named thread dies (panics) at its next
     /// pick, holding what it picked; the runtime must replace it.
     #[cfg(any(test, feature = "fault-injection"))]
@@ -604,7 +619,7 @@ fn plan_tasks(
     partitions: &[u32],
     start: &BTreeMap<u32, u64>,
 ) -> Vec<Result<TaskInit, RuntimeError>> {
-    let plan = |partition: u32| recovery::plan(shared, p, partition, start.get(&partition).copied());
+    let plan = |partition: u32| recovery::plan(shared, p, partition, start.get(&partition).copied(), None);
     if partitions.len() < 2 {
         return partitions.iter().map(|&partition| plan(partition)).collect();
     }
@@ -665,24 +680,56 @@ pub(crate) fn remove_tasks(shared: &Shared, store: &str, partitions: &[u32]) -> 
         }
     }
     let mut failures = Vec::new();
+    close_when_idle(shared, removing, |task| {
+        // A task whose transaction aborted closes without a last commit:
+        // what it holds since its last commit is gone (see `revival`).
+        if task.corruption().is_some() {
+            return;
+        }
+        let item = super::scheduler::CommitItem::of(task.index, &task.task);
+        if let Err(e) = commit::final_commit(shared, &item) {
+            failures.push(format!("{}: {e}", task.task.id()));
+        }
+    });
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(RuntimeError::CommitFailed(failures))
+    }
+}
+
+/// A task taken out of the scheduler, with the index it had there.
+pub(crate) struct Detached {
+    pub(crate) index: usize,
+    pub(crate) task: Task,
+}
+
+impl std::ops::Deref for Detached {
+    type Target = Task;
+    fn deref(&self) -> &Task {
+        &self.task
+    }
+}
+
+/// Waits until each task of `removing` (begun removal) is idle, takes it
+/// out and hands it to `close` as soon as it is; after `close`, the task is
+/// dropped, which closes its store once nothing else holds it (a task added
+/// again waits for that: `closing`).
+pub(crate) fn close_when_idle(shared: &Shared, mut removing: Vec<usize>, mut close: impl FnMut(&Detached)) {
     let mut scheduler = shared.lock();
     while !removing.is_empty() {
         let mut detached = Vec::new();
         removing.retain(|&index| match scheduler.detach_if_idle(index) {
             Some(task) => {
-                detached.push((index, task));
+                detached.push(Detached { index, task });
                 false
             }
             None => true,
         });
         if !detached.is_empty() {
             drop(scheduler);
-            for (index, task) in detached {
-                let item = super::scheduler::CommitItem::of(index, &task);
-                if let Err(e) = commit::final_commit(shared, &item) {
-                    failures.push(format!("{}: {e}", task.id()));
-                }
-                // Dropping the task closes its store once nothing else holds it.
+            for task in detached {
+                close(&task);
                 let mut closing = shared.closing.lock().unwrap_or_else(|e| e.into_inner());
                 closing.retain(|(_, store)| store.is_open());
                 closing.push((task.id().clone(), task.store().open_watch()));
@@ -697,11 +744,6 @@ pub(crate) fn remove_tasks(shared: &Shared, store: &str, partitions: &[u32]) -> 
             .unwrap_or_else(|e| e.into_inner());
         scheduler = guard;
         scheduler.end_wait();
-    }
-    if failures.is_empty() {
-        Ok(())
-    } else {
-        Err(RuntimeError::CommitFailed(failures))
     }
 }
 

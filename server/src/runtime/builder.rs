@@ -106,6 +106,8 @@ impl AppBuilder {
                 driver::spawn(&shared, slot, &name);
             }
         }
+        super::watchdog::start(&shared)
+            .map_err(|e| RuntimeError::Internal(format!("cannot start the watchdog thread: {e}")))?;
         if group {
             join_group(&shared)?;
         }
@@ -184,7 +186,7 @@ impl AppBuilder {
         if self.assignment == Assignment::Default && !group {
             for pipeline in 0..shared.pipelines.len() {
                 for partition in 0..shared.pipelines[pipeline].partitions {
-                    let init = recovery::plan(&shared, pipeline, partition, None)?;
+                    let init = recovery::plan(&shared, pipeline, partition, None, None)?;
                     shared.lock().add_task(init);
                 }
             }

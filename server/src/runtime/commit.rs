@@ -208,6 +208,8 @@ fn write_and_report(shared: &Shared, item: &CommitItem) -> Result<(), String> {
             let healed = shared
                 .lock()
                 .commit_applied(&written, true, std::time::Instant::now());
+            metrics::gauge!(crate::metrics::TASK_LAST_COMMIT, "task" => written.task_id.to_string())
+                .set(super::now_ms() as f64 / 1_000.0);
             if healed && written.store.is_some() {
                 shared.health.recovered(StorageComponent::Store, &written.task_id);
             }
@@ -229,10 +231,13 @@ fn write_and_report(shared: &Shared, item: &CommitItem) -> Result<(), String> {
 /// A commit that could not be written: reported, backed off, and (for a
 /// store) a storage fault until a later commit of the task succeeds.
 fn failed(shared: &Shared, item: &CommitItem, error: &str) {
-    shared
-        .lock()
-        .commit_applied(item, false, std::time::Instant::now());
-    if item.store.is_some() {
+    let corrupted = {
+        let mut scheduler = shared.lock();
+        scheduler.commit_applied(item, false, std::time::Instant::now());
+        scheduler.is_corrupted(item)
+    };
+    // An aborted transaction is no storage fault: the task starts again.
+    if item.store.is_some() && !corrupted {
         shared
             .health
             .failed(StorageComponent::Store, &item.task_id, &error);
@@ -312,20 +317,27 @@ fn seal(shared: &Shared, item: &CommitItem, checkpoint: &Checkpoint) -> Result<(
     };
     let pipeline = &shared.pipelines[item.pipeline];
     let retry_done = retry_done_metadata(item, checkpoint.retry_offset, &checkpoint.retry_done);
-    kafka
-        .commit_transaction(
-            &shared.transactional_id(&item.task_id),
-            &[
-                (&pipeline.topic, item.partition, checkpoint.watermark, ""),
-                (
-                    &pipeline.retry_topic,
-                    item.partition,
-                    checkpoint.retry_offset,
-                    &retry_done,
-                ),
-            ],
-        )
-        .map_err(|e| e.to_string())
+    let committed = kafka.commit_transaction(
+        &shared.transactional_id(&item.task_id),
+        &[
+            (&pipeline.topic, item.partition, checkpoint.watermark, ""),
+            (
+                &pipeline.retry_topic,
+                item.partition,
+                checkpoint.retry_offset,
+                &retry_done,
+            ),
+        ],
+    );
+    if let Err(crate::log::LogError::TransactionAborted { fenced, .. }) = &committed {
+        // What the transaction held is gone: the task must not go on from
+        // its state, nor commit it; it is closed and revived from its last
+        // commit (see `revival`).
+        if shared.lock().corrupt(item, *fenced) {
+            shared.watchdog.wake();
+        }
+    }
+    committed.map_err(|e| e.to_string())
 }
 
 /// The final retry entries above `position`, as the metadata of its offset

@@ -180,6 +180,10 @@ impl From<LogError> for RuntimeError {
             },
             LogError::Storage { path, message } => RuntimeError::Storage { path, message },
             LogError::Rejected { .. } => RuntimeError::invalid_argument("records", error.to_string()),
+            LogError::TransactionAborted { .. } => RuntimeError::Unavailable {
+                reason: error.to_string(),
+                retry_after: Duration::from_millis(500),
+            },
         }
     }
 }

@@ -69,15 +69,25 @@ impl GroupListener for Membership {
         };
         shared.set_rebalancing(true);
         let mut released = Vec::new();
-        for pipeline in &shared.pipelines {
-            let hosted: Vec<u32> = partitions
+        for (p, pipeline) in shared.pipelines.iter().enumerate() {
+            let revoked: Vec<u32> = partitions
                 .iter()
                 .filter(|(t, _)| **t == *pipeline.topic)
-                .map(|(_, p)| *p)
+                .map(|(_, partition)| *partition)
                 .collect();
-            if hosted.is_empty() {
+            if revoked.is_empty() {
                 continue;
             }
+            // A partition without a task here (its add or revival failed)
+            // has nothing to commit.
+            let hosted: Vec<u32> = {
+                let scheduler = shared.lock();
+                revoked
+                    .iter()
+                    .copied()
+                    .filter(|&partition| scheduler.task_index(p, partition).is_some())
+                    .collect()
+            };
             match app::remove_tasks(&shared, &pipeline.name, &hosted) {
                 Ok(()) => {}
                 // Another member owns them already: its commits win.
@@ -90,10 +100,10 @@ impl GroupListener for Membership {
                     "revoked tasks could not commit"
                 ),
             }
-            released.extend(hosted.iter().map(|&p| (pipeline.retry_topic.to_string(), p)));
+            released.extend(revoked.iter().map(|&p| (pipeline.retry_topic.to_string(), p)));
             // A task revoked while it restored leaves its changelog partition assigned.
             if let Some(changelog) = &pipeline.changelog_topic {
-                released.extend(hosted.iter().map(|&p| (changelog.to_string(), p)));
+                released.extend(revoked.iter().map(|&p| (changelog.to_string(), p)));
             }
         }
         if let Some(kafka) = shared.log.as_kafka() {

@@ -9,6 +9,7 @@
 //!   the processor (one `attempt` with its own write buffer per record);
 //!   `remote_calls` cuts a unit into calls of a remote processor.
 //! - `commit`, `recovery`: commit rounds and final commits; where a task resumes.
+//!   `revival`: a task whose transaction aborted, closed dirty and started again.
 //! - `retry`, `retry_queue`: the retry topic's format, and each task's queue of it.
 //!   `retry_done`: the final entries above a retry position, in Kafka offset metadata.
 //! - `changelog`: a store's changelog on Kafka (sent at commits, restored from).
@@ -16,6 +17,7 @@
 //! - `subscription`: outcome feeds and subscribers.
 //! - `membership`: Kafka mode's consumer group turned into added and removed tasks.
 //! - `cluster`: Kafka mode's metadata topic: who holds what, published and read.
+//! - `watchdog`: a thread of its own that warns of commits that stall.
 //! - `app`, `builder`: the library API.
 //!
 //! Scheduling state sits behind one mutex taken per unit of work (a batch of
@@ -40,6 +42,7 @@ mod remote_calls;
 pub mod retry;
 mod retry_done;
 mod retry_queue;
+mod revival;
 mod scheduler;
 mod sequencer;
 mod shared;
@@ -47,6 +50,7 @@ mod sink;
 mod stores;
 mod subscription;
 mod task;
+mod watchdog;
 mod work;
 
 pub use app::StreamsApp;

@@ -54,11 +54,14 @@ fn wait_until_closed(shared: &Shared, id: &Arc<str>) -> Result<(), RuntimeError>
 /// Plans task `partition` of pipeline `pipeline`. `start` overrides where a
 /// task without a checkpoint of its own resumes (a persistent store that has
 /// committed resumes at its checkpoint: its data is as of that point).
+/// `revival`: the task is started again after its transaction aborted (see
+/// `task::Corruption`), its records below this offset processed before.
 pub(crate) fn plan(
     shared: &Shared,
     pipeline: usize,
     partition: u32,
     start: Option<u64>,
+    revival: Option<u64>,
 ) -> Result<TaskInit, RuntimeError> {
     let config = &shared.config;
     let log = shared.log.as_ref();
@@ -132,7 +135,14 @@ pub(crate) fn plan(
                 .chain(p.changelog_topic.as_ref())
                 .map(|topic| (topic.to_string(), partition))
                 .collect::<Vec<_>>();
-            kafka.begin_transactions(&shared.transactional_id(&id), &written)?;
+            // A revival goes on with its producer, whose transaction it
+            // restarted (see `revival`): beginning anew would fence no one
+            // but itself, yet a zombie that does not know it is one would
+            // fence the task's owner.
+            let transactional_id = shared.transactional_id(&id);
+            if revival.is_none() || !kafka.has_transaction(&transactional_id) {
+                kafka.begin_transactions(&transactional_id, &written)?;
+            }
         }
         // Under exactly-once the transaction is the commit point: a local
         // copy is current only if its checkpoint is where the group's
@@ -176,6 +186,7 @@ pub(crate) fn plan(
         hold: HoldLimits::new(config.max_in_flight_records, config.retry_backoff_ms),
         outcome_retention_records: config.outcome_retention_records,
         transaction,
+        reprocessed_below: revival.unwrap_or(0),
     })
 }
 

@@ -14,7 +14,7 @@
 
 use super::retry::RetryItem;
 use super::subscription::{FeedEvent, Published};
-use super::task::{Task, TaskInit};
+use super::task::{CommitBlocker, Task, TaskInit};
 use super::work::WorkUnit;
 use crate::log::Record;
 use crate::metadata::{OutcomeBatch, RecordOutcome, ThreadState};
@@ -47,6 +47,26 @@ pub(crate) fn thread_name(application_id: &str, slot: usize) -> String {
     format!("{application_id}-StreamThread-{}", slot + 1)
 }
 
+/// A task whose commit has not happened for a while (see `commit_stalls`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct CommitStall {
+    pub(crate) task: Arc<str>,
+    /// How long its records have waited uncommitted (sampled by the watchdog).
+    pub(crate) stalled: Duration,
+    pub(crate) watermark: u64,
+    pub(crate) committed: u64,
+    pub(crate) blocker: CommitBlocker,
+}
+
+/// What `commit_stalls` found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct CommitStalls {
+    /// The commit round in progress, if it has run past the threshold: for
+    /// how long, and on which thread.
+    pub(crate) round: Option<(Duration, Arc<str>)>,
+    pub(crate) tasks: Vec<CommitStall>,
+}
+
 pub(crate) struct Scheduler {
     application_id: Arc<str>,
     pipelines: Vec<PipelineNames>,
@@ -60,7 +80,8 @@ pub(crate) struct Scheduler {
     next_commit_at: Instant,
     retention_interval: Duration,
     next_retention_at: Instant,
-    committing: bool,
+    /// The commit round in progress: since when, and on which thread.
+    commit_round: Option<(Instant, usize)>,
     /// Threads waiting for work (so wake-ups are skipped when nobody waits).
     waiting: usize,
     stopping: bool,
@@ -90,7 +111,7 @@ impl Scheduler {
             next_commit_at: now + commit_interval,
             retention_interval,
             next_retention_at: now + retention_interval,
-            committing: false,
+            commit_round: None,
             waiting: 0,
             stopping: false,
         }
@@ -282,7 +303,9 @@ impl Scheduler {
     }
 
     /// Takes out a task being removed once no thread works for it; its
-    /// subscribers are told the partition left.
+    /// subscribers are told the partition left, unless it is closed to be
+    /// revived here (see `Corruption`): their streams then go on with the
+    /// revived task's outcomes.
     pub(crate) fn detach_if_idle(&mut self, index: usize) -> Option<Task> {
         let task = self.tasks.get(index)?.as_ref()?;
         if !task.is_removing() || !task.is_idle() {
@@ -291,10 +314,38 @@ impl Scheduler {
         let mut task = self.tasks[index].take()?;
         self.index.remove(&(task.pipeline(), task.partition()));
         task.forget_unfinished();
-        if let Some(feed) = &self.feeds[task.pipeline()] {
+        let revived_here = task.corruption().is_some_and(|c| !c.fenced);
+        if !revived_here && let Some(feed) = &self.feeds[task.pipeline()] {
             let _ = feed.send(FeedEvent::Removed(task.partition()));
         }
         Some(task)
+    }
+
+    /// The transaction of a commit's task aborted: the task takes no more
+    /// work and waits to be closed without a last commit (`Task::corrupt`).
+    /// Answers whether the task was still here.
+    pub(crate) fn corrupt(&mut self, item: &CommitItem, fenced: bool) -> bool {
+        match self.live_task_of(item) {
+            Some(task) => {
+                task.corrupt(fenced);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Whether a commit's task is marked corrupted (its transaction aborted).
+    pub(crate) fn is_corrupted(&mut self, item: &CommitItem) -> bool {
+        self.live_task_of(item)
+            .is_some_and(|task| task.corruption().is_some())
+    }
+
+    /// Tasks marked corrupted, by index.
+    pub(crate) fn corrupted(&self) -> Vec<usize> {
+        self.tasks()
+            .filter(|(_, t)| t.corruption().is_some())
+            .map(|(i, _)| i)
+            .collect()
     }
 
     /// Records of `keys` are about to be appended to the retry partition of
@@ -347,11 +398,12 @@ impl Scheduler {
             unreachable!("a batch of a task that is gone")
         };
         let names = &self.pipelines[t.pipeline()];
-        let (task_id, pipeline, topic, partition) = (
+        let (task_id, pipeline, topic, partition, reprocessed_below) = (
             t.id().clone(),
             names.name.clone(),
             names.topic.clone(),
             t.partition(),
+            t.reprocessed_below(),
         );
         move |thread: &Arc<str>, mut records: Vec<RecordOutcome>| {
             // A record names its thread only where it differs from the batch's.
@@ -360,15 +412,17 @@ impl Scheduler {
                     record.thread = None;
                 }
             }
+            let first_offset = records.iter().map(|r| r.offset).min().unwrap_or(0);
             OutcomeBatch {
                 task_id: task_id.clone(),
                 pipeline: pipeline.clone(),
                 topic: topic.clone(),
                 partition,
                 thread: thread.clone(),
-                first_offset: records.iter().map(|r| r.offset).min().unwrap_or(0),
+                first_offset,
                 last_offset: records.iter().map(|r| r.offset).max().unwrap_or(0),
                 records,
+                reprocessed: first_offset < reprocessed_below,
             }
         }
     }
@@ -432,8 +486,8 @@ impl Scheduler {
         if self.stopping || !self.threads[me].is_live() {
             return Pick::Exit;
         }
-        if !self.committing && now >= self.next_commit_at {
-            return self.commit_round(now);
+        if self.commit_round.is_none() && now >= self.next_commit_at {
+            return self.commit_round(me, now);
         }
         let n = self.tasks.len();
         if let Some(t) = (0..n).find(|&t| self.task(t).is_some_and(Task::restore_pending)) {
@@ -732,8 +786,8 @@ impl Scheduler {
     /// Every commit due now: memory stores and tagged persistent stores at
     /// once; untagged persistent stores when their task is idle (their item
     /// comes from `finish_unit` / `finish_retries` then).
-    fn commit_round(&mut self, now: Instant) -> Pick {
-        self.committing = true;
+    fn commit_round(&mut self, me: usize, now: Instant) -> Pick {
+        self.commit_round = Some((now, me));
         self.next_commit_at = now + self.commit_interval;
         let mut items = Vec::new();
         for t in 0..self.tasks.len() {
@@ -832,7 +886,39 @@ impl Scheduler {
     /// The commit round a thread carried out is over.
     pub(crate) fn finish_commit_round(&mut self, me: usize) {
         self.release_lease(me, Lease::Commit);
-        self.committing = false;
+        self.commit_round = None;
+    }
+
+    /// The watchdog's look at commits: every task whose records have waited
+    /// uncommitted for at least `threshold`, with what holds its commit
+    /// back, and the commit round in progress if it has run that long.
+    pub(crate) fn commit_stalls(&mut self, now: Instant, threshold: Duration) -> CommitStalls {
+        let round = self
+            .commit_round
+            .filter(|(since, _)| now.saturating_duration_since(*since) >= threshold)
+            .map(|(since, thread)| {
+                (
+                    now.saturating_duration_since(since),
+                    self.threads[thread].name().clone(),
+                )
+            });
+        let mut tasks = Vec::new();
+        for task in self.tasks.iter_mut().flatten() {
+            let Some(since) = task.sample_uncommitted(now) else {
+                continue;
+            };
+            let stalled = now.saturating_duration_since(since);
+            if stalled >= threshold {
+                tasks.push(CommitStall {
+                    task: task.id().clone(),
+                    stalled,
+                    watermark: task.watermark(),
+                    committed: task.committed(),
+                    blocker: task.commit_blocker(now),
+                });
+            }
+        }
+        CommitStalls { round, tasks }
     }
 
     // ---- description ----

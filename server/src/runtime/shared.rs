@@ -90,6 +90,8 @@ pub(crate) struct Shared {
     /// Storage faults of the log and the stores (the log's own, when it keeps one).
     pub(crate) health: Arc<crate::health::StorageHealth>,
     pub(crate) committer: Committer,
+    /// Wakes the watchdog thread (a task to revive).
+    pub(crate) watchdog: Arc<super::watchdog::Watchdog>,
     /// Serializes shutdown and task removals with each other.
     pub(crate) membership: Mutex<()>,
     /// Serializes writes of commits to the log, so a commit decided before a
@@ -136,6 +138,7 @@ impl Shared {
             state: AtomicU8::new(0),
             on_commit,
             committer: Committer::default(),
+            watchdog: Arc::default(),
             membership: Mutex::new(()),
             commit_lock: Mutex::new(()),
             handles: Mutex::new(Vec::new()),

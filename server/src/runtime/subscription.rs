@@ -366,6 +366,7 @@ mod tests {
                     error: None,
                 })
                 .collect(),
+            reprocessed: false,
         })
     }
 

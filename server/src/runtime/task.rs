@@ -124,6 +124,58 @@ enum CommitWait {
     Writing,
 }
 
+/// Why a task's commit has not happened, for the watchdog's warning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CommitBlocker {
+    /// Its last commit failed; the next waits out a backoff.
+    BackingOff { failures: u32 },
+    /// The commit waits until no unit and no retry of the task runs.
+    WaitingForIdle {
+        active_threads: usize,
+        retries_running: usize,
+    },
+    /// The commit waits until nothing fetched is unfinished.
+    WaitingForDrain {
+        active_threads: usize,
+        unfinished: usize,
+        queued: usize,
+    },
+    /// The commit was handed out to be frozen and has not come back.
+    Freezing,
+    /// The commit is being written (exactly-once: its transaction is open).
+    Writing,
+    /// No commit round has handed a commit of the task out.
+    NotHandedOut,
+}
+
+impl std::fmt::Display for CommitBlocker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CommitBlocker::BackingOff { failures } => {
+                write!(f, "backing off after {failures} failed commits")
+            }
+            CommitBlocker::WaitingForIdle {
+                active_threads,
+                retries_running,
+            } => write!(
+                f,
+                "waiting for the task to be idle ({active_threads} threads and {retries_running} retries in it)"
+            ),
+            CommitBlocker::WaitingForDrain {
+                active_threads,
+                unfinished,
+                queued,
+            } => write!(
+                f,
+                "waiting for the task to drain ({active_threads} threads in it, {unfinished} records unfinished, {queued} queued)"
+            ),
+            CommitBlocker::Freezing => f.write_str("its commit was handed out and is not frozen yet"),
+            CommitBlocker::Writing => f.write_str("its commit is being written"),
+            CommitBlocker::NotHandedOut => f.write_str("no commit round has taken it"),
+        }
+    }
+}
+
 /// Everything the task is made of, from recovery (see `recovery.rs`).
 pub(crate) struct TaskInit {
     pub(crate) id: Arc<str>,
@@ -149,6 +201,24 @@ pub(crate) struct TaskInit {
     /// (`exactly_once_v2`).
     pub(crate) transaction: Option<String>,
     pub(crate) meters: Arc<TaskMeters>,
+    /// A task revived after its transaction aborted: records below this
+    /// offset ran in the incarnation before, whose outcomes subscribers may
+    /// have seen (0 for a task that is no revival).
+    pub(crate) reprocessed_below: u64,
+}
+
+/// A task whose transaction aborted (exactly_once_v2): it takes no more work,
+/// is closed without a last commit (what the aborted transaction held is gone,
+/// and the stores go back to the last committed one) and, unless its
+/// producer was fenced, starts again here from the group's committed offsets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Corruption {
+    /// Another producer of the task's transactional id fenced this one: the
+    /// task is another instance's now, and is not revived here.
+    pub(crate) fenced: bool,
+    /// The records the closed incarnation had fetched end here: those below
+    /// run again, and their outcomes are published again, marked so.
+    pub(crate) fetched_end: u64,
 }
 
 pub(crate) struct Task {
@@ -187,6 +257,9 @@ pub(crate) struct Task {
     commit_failures: u32,
     commit_after: Option<Instant>,
     commit_wait: Option<CommitWait>,
+    /// Since when (as the watchdog sampled it) the task has records or
+    /// retry positions its last commit does not cover; `None` while none.
+    uncommitted_since: Option<Instant>,
     /// The store's commits freeze by write tag, so they never wait for the
     /// task (persistent stores with key lanes: records of a key run in order).
     tagged_commits: bool,
@@ -198,6 +271,8 @@ pub(crate) struct Task {
     history_start: u64,
     restore: Option<Restore>,
     removing: bool,
+    corrupted: Option<Corruption>,
+    reprocessed_below: u64,
     counters: TaskCounters,
     max_in_flight: usize,
     max_span: usize,
@@ -248,12 +323,15 @@ impl Task {
             commit_failures: 0,
             commit_after: None,
             commit_wait: None,
+            uncommitted_since: None,
             tagged_commits: persistent && lanes && init.transaction.is_none(),
             exactly_once: init.transaction.is_some(),
             history: History::new(init.outcome_retention_records, init.start),
             history_start: init.start,
             restore: init.restore,
             removing: false,
+            corrupted: None,
+            reprocessed_below: init.reprocessed_below,
             counters: TaskCounters::default(),
             max_in_flight: init.max_in_flight_records.max(1),
             max_span: if held_release {
@@ -848,6 +926,7 @@ impl Task {
     pub(crate) fn mark_committed(&mut self, offset: u64, retry_offset: u64, retry_done: usize) -> bool {
         self.committed = self.committed.max(offset);
         self.committed_at = Some(std::time::SystemTime::now());
+        self.uncommitted_since = None;
         self.retry.mark_committed(retry_offset, retry_done);
         let was_failing = self.commit_failures > 0;
         self.commit_failures = 0;
@@ -869,6 +948,42 @@ impl Task {
         self.commit_after.is_none_or(|after| now >= after)
     }
 
+    /// The watchdog's sample: answers since when the task has had something
+    /// uncommitted (its first sample since the last commit that found it),
+    /// `None` while its last commit covers everything.
+    pub(crate) fn sample_uncommitted(&mut self, now: Instant) -> Option<Instant> {
+        if self.has_uncommitted() && !self.is_restoring() && !self.removing {
+            Some(*self.uncommitted_since.get_or_insert(now))
+        } else {
+            self.uncommitted_since = None;
+            None
+        }
+    }
+
+    /// Why the task's uncommitted records are not committed yet, as far as
+    /// the task can tell (a commit round that never ends is the scheduler's).
+    pub(crate) fn commit_blocker(&self, now: Instant) -> CommitBlocker {
+        if !self.may_commit(now) {
+            return CommitBlocker::BackingOff {
+                failures: self.commit_failures,
+            };
+        }
+        match self.commit_wait {
+            Some(CommitWait::Idle) => CommitBlocker::WaitingForIdle {
+                active_threads: self.active,
+                retries_running: self.retry.in_progress(),
+            },
+            Some(CommitWait::Drained) => CommitBlocker::WaitingForDrain {
+                active_threads: self.active,
+                unfinished: self.seq.pending(),
+                queued: self.work.queued(),
+            },
+            Some(CommitWait::Freezing) => CommitBlocker::Freezing,
+            Some(CommitWait::Writing) => CommitBlocker::Writing,
+            None => CommitBlocker::NotHandedOut,
+        }
+    }
+
     // ---- removal ----
 
     /// Stops handing out work; what is queued is dropped now (records not
@@ -878,6 +993,26 @@ impl Task {
         self.removing = true;
         self.commit_wait = None;
         self.work.clear()
+    }
+
+    /// Its transaction aborted: stops handing out work, as a removal does,
+    /// and marks it to be closed without a last commit (see `Corruption`).
+    /// Answers how many queued records were dropped.
+    pub(crate) fn corrupt(&mut self, fenced: bool) -> usize {
+        let fetched_end = self.seq.fetched_end();
+        let corruption = self.corrupted.get_or_insert(Corruption { fenced, fetched_end });
+        corruption.fenced |= fenced;
+        self.begin_removal()
+    }
+
+    pub(crate) fn corruption(&self) -> Option<Corruption> {
+        self.corrupted
+    }
+
+    /// Records below this ran in an incarnation of the task whose
+    /// transaction aborted (see `Corruption`).
+    pub(crate) fn reprocessed_below(&self) -> u64 {
+        self.reprocessed_below
     }
 
     /// No thread works for the task any more: it may be taken out.

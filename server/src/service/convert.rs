@@ -331,6 +331,7 @@ pub fn metadata_batches(batch: &OutcomeBatch, max_records: usize) -> Vec<pb::Met
         first_offset: offset(first_offset),
         last_offset: offset(last_offset),
         records: records.iter().map(record_metadata).collect(),
+        reprocessed: batch.reprocessed,
     };
     if max_records == 0 || batch.records.len() <= max_records {
         return vec![message(batch.first_offset, batch.last_offset, &batch.records)];
@@ -389,6 +390,7 @@ mod tests {
                     error: (offset == first + 1).then(|| Arc::from("boom")),
                 })
                 .collect(),
+            reprocessed: false,
         }
     }
 

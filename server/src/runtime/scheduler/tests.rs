@@ -58,6 +58,7 @@ fn init(partition: u32, order: ProcessingOrder, t: usize, start: u64, batch: usi
         outcome_retention_records: 10_000,
         transaction: None,
         meters: Arc::new(TaskMeters::new("p", &format!("p_{partition}"))),
+        reprocessed_below: 0,
     }
 }
 
@@ -576,6 +577,47 @@ fn a_commit_waiting_for_an_idle_task_is_handed_out_once_until_it_is_frozen() {
     s.frozen(&waiting, FreezeResult::Frozen);
     let (_, unit, _) = first_unit(&mut s, 0, &log, now);
     assert_eq!(unit.records[0].offset, 20, "frozen: the task goes on");
+}
+
+#[test]
+fn records_left_uncommitted_past_the_threshold_are_reported_with_what_holds_them_back() {
+    let now = Instant::now();
+    let threshold = Duration::from_secs(30);
+    let mut s = one_task(2, ProcessingOrder::Offset, 1, 10, now);
+    let log: Vec<Record> = (0..10).map(|o| record(0, o, "k")).collect();
+    assert!(
+        s.commit_stalls(now, threshold).tasks.is_empty(),
+        "nothing uncommitted"
+    );
+    let (t, unit, context) = first_unit(&mut s, 0, &log, now);
+    assert!(s.finish_unit(0, t, done(&context, &unit)).is_none());
+    // The first sample starts the clock; a later one past the threshold reports.
+    assert!(s.commit_stalls(now, threshold).tasks.is_empty());
+    assert!(
+        s.commit_stalls(now + Duration::from_secs(29), threshold)
+            .tasks
+            .is_empty()
+    );
+    // A commit round taken and never finished: reported as such, its task too.
+    let later = now + Duration::from_secs(3_600);
+    let Pick::Commit { items, .. } = s.pick(1, later, 0) else {
+        panic!("a commit round was due");
+    };
+    assert_eq!(items.len(), 1);
+    let stalls = s.commit_stalls(later + Duration::from_secs(31), threshold);
+    assert_eq!(
+        stalls
+            .round
+            .map(|(running, thread)| (running, thread.to_string())),
+        Some((Duration::from_secs(31), "app-StreamThread-2".to_string()))
+    );
+    assert_eq!(stalls.tasks.len(), 1);
+    assert_eq!((stalls.tasks[0].watermark, stalls.tasks[0].committed), (10, 0));
+    assert_eq!(stalls.tasks[0].blocker, CommitBlocker::NotHandedOut);
+    s.finish_commit_round(1);
+    s.commit_applied(&items[0], true, later);
+    let stalls = s.commit_stalls(later + Duration::from_secs(40), threshold);
+    assert_eq!(stalls, CommitStalls::default(), "committed: no stall, no round");
 }
 
 #[test]

@@ -1,0 +1,112 @@
+//! Tasks whose transaction aborted (exactly_once_v2), closed dirty and
+//! started again, as Kafka Streams does with a corrupted task: what the
+//! aborted transaction held (outputs, retry and dead-letter entries,
+//! changelog records, the offsets) is gone, so the task goes back to its
+//! last committed transaction — its stores to the state that transaction
+//! left (a persistent store's checkpoint is written only after its
+//! transaction commits; a memory store is restored from the changelog,
+//! read committed), its positions to the group's committed offsets and the
+//! retry metadata committed with them — and every record since runs again.
+//!
+//! Invariants: a corrupted task never writes its last commit; it is revived
+//! only while the group assigns its partition to this member (else it moved,
+//! and its new owner resumes it), and never by fencing: the revival goes on
+//! with the task's producer in a fresh transaction. A task whose producer
+//! was fenced is another instance's: closed, not revived.
+
+use super::app::{Detached, close_when_idle};
+use super::recovery;
+use super::shared::Shared;
+use std::time::{Duration, Instant};
+
+/// How long a revival keeps trying to plan a task (the broker not
+/// answering) before it leaves the partition to the next rebalance.
+const REVIVE_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Closes every corrupted task and revives those that may be (see the
+/// module doc). Runs off the stream threads (the watchdog's), serialised
+/// with rebalances and removals by the membership lock.
+pub(crate) fn revive_corrupted(shared: &Shared) {
+    let _membership = shared.membership.lock().unwrap_or_else(|e| e.into_inner());
+    let corrupted = shared.lock().corrupted();
+    if corrupted.is_empty() {
+        return;
+    }
+    let mut closed: Vec<(usize, u32, u64, bool)> = Vec::new();
+    close_when_idle(shared, corrupted, |task: &Detached| {
+        let Some(corruption) = task.corruption() else {
+            return;
+        };
+        closed.push((
+            task.pipeline(),
+            task.partition(),
+            corruption.fetched_end,
+            corruption.fenced,
+        ));
+        tracing::warn!(
+            task = %task.id(), committed = task.committed(), fetched_end = corruption.fetched_end,
+            fenced = corruption.fenced,
+            "task closed without a commit: its transaction aborted, and what it held is gone"
+        );
+    });
+    for (pipeline, partition, fetched_end, fenced) in closed {
+        let p = &shared.pipelines[pipeline];
+        let id = super::task::task_id(&p.name, partition);
+        if fenced {
+            tracing::warn!(
+                task = %id,
+                "the task's producer was fenced: another instance owns the task now; not revived here"
+            );
+            continue;
+        }
+        let held = shared
+            .log
+            .as_kafka()
+            .is_some_and(|kafka| kafka.holds(&p.topic, partition));
+        if !held {
+            tracing::warn!(task = %id, "the group no longer assigns the task's partition here; not revived");
+            continue;
+        }
+        revive(shared, pipeline, partition, fetched_end, &id);
+    }
+    shared.wake.notify_all();
+}
+
+/// Plans task `partition` of `pipeline` again from its last commit and adds
+/// it, trying again for a while when planning fails for a passing reason.
+fn revive(shared: &Shared, pipeline: usize, partition: u32, fetched_end: u64, id: &str) {
+    // First the closed incarnation's appends since the abort go (they opened
+    // the producer's next transaction, whose records would also hold back
+    // every read_committed read of the task's partitions): its producer goes
+    // on, fencing no one; without one, planning begins transactions anew.
+    if let Some(kafka) = shared.log.as_kafka() {
+        kafka.restart_transaction(&shared.transactional_id(id));
+    }
+    let deadline = Instant::now() + REVIVE_DEADLINE;
+    let mut pause = Duration::from_millis(50);
+    loop {
+        match recovery::plan(shared, pipeline, partition, None, Some(fetched_end)) {
+            Ok(init) => {
+                let start = init.start;
+                shared.lock().add_task(init);
+                tracing::info!(
+                    task = %id, from = start, again = fetched_end.saturating_sub(start),
+                    "task revived from its last committed transaction: the records since run again"
+                );
+                return;
+            }
+            Err(e) if Instant::now() < deadline => {
+                tracing::warn!(task = %id, error = %e, "reviving the task failed; trying again");
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => {
+                tracing::error!(
+                    task = %id, error = %e,
+                    "cannot revive the task; its partition waits for the next rebalance"
+                );
+                return;
+            }
+        }
+    }
+}
