@@ -88,8 +88,10 @@ const REVOCATION_CHECK: Duration = Duration::from_millis(100);
 
 /// How long a read below the end offset waits on the shared reader before
 /// it asks a fresh one (`reread`): the range may hold only aborted records
-/// and markers, whose end the shared handle may never report.
-const REREAD_AFTER: Duration = Duration::from_secs(2);
+/// and markers, whose end the shared handle may never report. Long enough
+/// that a loaded machine's slow first fetch does not turn every read into
+/// a fresh client's.
+const REREAD_AFTER: Duration = Duration::from_secs(10);
 
 /// The reader's group id: needed by librdkafka for manual assignment; the
 /// reader never joins or commits, so it creates no group on the broker.
@@ -350,15 +352,7 @@ impl KafkaLog {
             .set("allow.auto.create.topics", "false")
             .create_with_context(DeliveryContext)
             .map_err(client_error("producer"))?;
-        let reader: BaseConsumer<ClientLog> = base(READER_DEFAULTS)
-            .set("client.id", "taskstream-reader")
-            .set("group.id", READER_GROUP)
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false")
-            .set("auto.offset.reset", "error")
-            .set("allow.auto.create.topics", "false")
-            .create_with_context(ClientLog)
-            .map_err(client_error("reader consumer"))?;
+        let reader = reader_consumer(base(READER_DEFAULTS), "taskstream-reader")?;
         // A group id only because librdkafka's consumer polling wants one:
         // like the reader, it never joins or commits.
         let queries: BaseConsumer<ClientLog> = base(&[])
@@ -1400,8 +1394,6 @@ impl KafkaLog {
         }
         // A plain reference, so the queue and the position borrow apart.
         let reader: &mut PartitionReader = &mut guard;
-        // At the end the reader still stands at `offset`, so that records
-        // appended there fill the queue and fire its callback.
         // Below an end librdkafka said already (through this reader, or one
         // released since: librdkafka keeps what it said per partition), it
         // will not say it again, and a read would wait for records that may
@@ -1421,6 +1413,8 @@ impl KafkaLog {
                 return self.reread(topic, partition, offset, max, end, take);
             }
         }
+        // At the end the reader still stands at `offset`, so that records
+        // appended there fill the queue and fire its callback.
         if reader.next != offset {
             self.seek(reader, offset)?;
         }
@@ -1523,17 +1517,9 @@ impl KafkaLog {
         end: u64,
         take: &mut dyn FnMut(&BorrowedMessage<'_>),
     ) -> Result<(), LogError> {
-        let consumer: BaseConsumer<ClientLog> = self
-            .client_config(READER_DEFAULTS)
-            .set("client.id", "taskstream-rereader")
-            .set("group.id", READER_GROUP)
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false")
-            .set("enable.partition.eof", "true")
-            .set("auto.offset.reset", "error")
-            .set("allow.auto.create.topics", "false")
-            .create_with_context(ClientLog)
-            .map_err(client_error("re-reader consumer"))?;
+        let mut config = self.client_config(READER_DEFAULTS);
+        config.set("enable.partition.eof", "true");
+        let consumer = reader_consumer(config, "taskstream-rereader")?;
         let mut assignment = TopicPartitionList::new();
         assignment
             .add_partition_offset(topic, partition as i32, Offset::Offset(offset as i64))
@@ -2200,6 +2186,21 @@ fn is_fenced(error: &KafkaError) -> bool {
             Some(Fenced | ProducerFenced | InvalidProducerEpoch)
         ),
     }
+}
+
+/// A consumer that reads by manual assignment and never joins or commits
+/// (the shared reader, a re-reader): a position the broker no longer has is
+/// an error, not a reset.
+fn reader_consumer(mut config: ClientConfig, client_id: &str) -> Result<BaseConsumer<ClientLog>, LogError> {
+    config
+        .set("client.id", client_id)
+        .set("group.id", READER_GROUP)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "error")
+        .set("allow.auto.create.topics", "false")
+        .create_with_context(ClientLog)
+        .map_err(client_error("reader consumer"))
 }
 
 fn unavailable(what: &'static str) -> impl Fn(KafkaError) -> LogError {

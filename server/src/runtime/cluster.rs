@@ -48,6 +48,8 @@ struct Work {
     readable: bool,
     /// Publish a tombstone and stop.
     leave: bool,
+    /// The group generation of the last `publish`, for `republish`.
+    generation: Option<i32>,
 }
 
 impl Cluster {
@@ -97,7 +99,21 @@ impl Cluster {
         let record = InstanceRecord::new(&self.host, generation, partitions);
         let mut work = self.lock_work();
         if !work.leave {
+            work.generation = Some(generation);
             work.publish = Some(record);
+            self.wake.notify_all();
+        }
+    }
+
+    /// Publishes what this instance holds now at the generation published
+    /// last, when its tasks changed between rebalances (a task revived after
+    /// an aborted transaction); nothing before the first `publish`.
+    pub(crate) fn republish(&self, partitions: BTreeMap<String, BTreeSet<u32>>) {
+        let mut work = self.lock_work();
+        if let Some(generation) = work.generation
+            && !work.leave
+        {
+            work.publish = Some(InstanceRecord::new(&self.host, generation, partitions));
             self.wake.notify_all();
         }
     }

@@ -27,6 +27,11 @@ const REVIVE_DEADLINE: Duration = Duration::from_secs(30);
 /// module doc). Runs off the stream threads (the watchdog's), serialised
 /// with rebalances and removals by the membership lock.
 pub(crate) fn revive_corrupted(shared: &Shared) {
+    // Looked at first without the membership lock, which a rebalance or a
+    // removal holds for long: the watchdog's other work must not wait on it.
+    if shared.lock().corrupted().is_empty() {
+        return;
+    }
     let _membership = shared.membership.lock().unwrap_or_else(|e| e.into_inner());
     let corrupted = shared.lock().corrupted();
     if corrupted.is_empty() {
@@ -68,6 +73,11 @@ pub(crate) fn revive_corrupted(shared: &Shared) {
             continue;
         }
         revive(shared, pipeline, partition, fetched_end, &id);
+    }
+    // The rebalance that published this instance's tasks may have run while
+    // they were closed.
+    if let Some(cluster) = shared.cluster() {
+        cluster.republish(shared.hosted());
     }
     shared.wake.notify_all();
 }
