@@ -241,7 +241,8 @@ fn run_with_injected_aborts(store: StoreKind, label: &str) {
     }
     assert!(
         app.wait_until_caught_up(DEADLINE),
-        "the instance processes everything"
+        "the instance processes everything: {:#?}",
+        app.describe()
     );
     let calls = calls.load(Ordering::Relaxed);
     println!("{label}: {total} records, {calls} processor calls (records of aborted transactions ran again)");
@@ -266,13 +267,11 @@ fn run_with_injected_aborts(store: StoreKind, label: &str) {
 }
 
 #[test]
-#[ignore = "known open: counts come out exact, but the revived tasks do not catch up (wait_until_caught_up) within 120 s; issue 42"]
 fn an_injected_abort_revives_the_task_and_loses_nothing_with_memory_stores() {
     run_with_injected_aborts(StoreKind::Memory, "memory");
 }
 
 #[test]
-#[ignore = "known open: counts come out exact, but the revived tasks do not catch up (wait_until_caught_up) within 120 s; issue 42"]
 fn an_injected_abort_revives_the_task_and_loses_nothing_with_persistent_stores() {
     run_with_injected_aborts(StoreKind::Persistent, "persistent");
 }

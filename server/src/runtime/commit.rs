@@ -4,6 +4,7 @@
 //! whole app at shutdown, and what rides along with a round: retention of the
 //! log and the gauges of `crate::metrics`.
 
+use super::retry_queue::RetryPosition;
 use super::scheduler::{CommitItem, FreezeResult};
 use super::shared::{CommitReport, Shared};
 use crate::health::StorageComponent;
@@ -495,8 +496,7 @@ pub(crate) fn publish_gauges(shared: &Shared) {
         held: usize,
         restore_remaining: u64,
         watermark: u64,
-        retry_watermark: u64,
-        final_retries_above: u64,
+        retry: RetryPosition,
     }
     let (tasks, by_state) = {
         let scheduler = shared.lock();
@@ -511,8 +511,7 @@ pub(crate) fn publish_gauges(shared: &Shared) {
                 held: t.held_completed(),
                 restore_remaining: t.restore_remaining(),
                 watermark: t.watermark(),
-                retry_watermark: t.retry().watermark(),
-                final_retries_above: t.retry().final_above(),
+                retry: t.retry().position(),
             })
             .collect();
         let mut by_state = [0u32; 5];
@@ -543,13 +542,7 @@ pub(crate) fn publish_gauges(shared: &Shared) {
         for t in tasks.iter().filter(|t| t.pipeline == p) {
             let end = shared.log.end_offset(&pipeline.topic, t.partition).unwrap_or(0);
             lag += end.saturating_sub(t.watermark);
-            backlog += super::describe::retry_backlog_of(
-                shared,
-                p,
-                t.partition,
-                t.retry_watermark,
-                t.final_retries_above,
-            );
+            backlog += super::describe::retry_backlog_of(shared, p, t.partition, t.retry);
         }
         let dead: u64 = (0..pipeline.partitions)
             .map(|partition| dead_lettered(shared, &pipeline.dead_letter_topic, partition))

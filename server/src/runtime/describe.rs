@@ -14,6 +14,7 @@
 //! wait) and no reference count shared with the other workers (each clone a
 //! cache miss while they poll too).
 
+use super::retry_queue::RetryPosition;
 use super::scheduler::{Scheduler, thread_name};
 use super::shared::{PipelineRuntime, Shared};
 use super::task::{Task, TaskCounters, task_id};
@@ -26,30 +27,21 @@ use std::time::SystemTime;
 
 /// Records of a task's retry-topic partition without a final outcome.
 pub(crate) fn retry_backlog(shared: &Shared, task: &Task) -> u64 {
-    let retry = task.retry();
-    retry_backlog_of(
-        shared,
-        task.pipeline(),
-        task.partition(),
-        retry.watermark(),
-        retry.final_above(),
-    )
+    retry_backlog_of(shared, task.pipeline(), task.partition(), task.retry().position())
 }
 
-/// `retry_backlog` from a task's figures copied earlier: the retry queue's
-/// watermark and its entries final above it.
+/// `retry_backlog` from a task's retry position copied earlier.
 pub(crate) fn retry_backlog_of(
     shared: &Shared,
     pipeline: usize,
     partition: u32,
-    retry_watermark: u64,
-    final_above: u64,
+    retry: RetryPosition,
 ) -> u64 {
     let end = shared
         .log
         .end_offset(&shared.pipelines[pipeline].retry_topic, partition)
         .unwrap_or(0);
-    super::retry_queue::backlog(end, retry_watermark, final_above)
+    retry.backlog(end)
 }
 
 /// What metadata needs of a task that only the scheduler knows, copied under
@@ -67,8 +59,7 @@ pub(crate) struct TaskSnapshot {
     watermark: u64,
     committed: u64,
     in_flight: usize,
-    retry_watermark: u64,
-    retry_final_above: u64,
+    retry: RetryPosition,
     counters: TaskCounters,
     active: usize,
     held: usize,
@@ -78,7 +69,6 @@ pub(crate) struct TaskSnapshot {
 impl TaskSnapshot {
     /// Task `index` as the scheduler has it now (call with its lock held).
     fn of(scheduler: &Scheduler, index: usize, task: &Task) -> TaskSnapshot {
-        let retry = task.retry();
         TaskSnapshot {
             pipeline: task.pipeline(),
             partition: task.partition(),
@@ -90,8 +80,7 @@ impl TaskSnapshot {
             watermark: task.watermark(),
             committed: task.committed(),
             in_flight: task.in_flight(),
-            retry_watermark: retry.watermark(),
-            retry_final_above: retry.final_above(),
+            retry: task.retry().position(),
             counters: task.counters(),
             active: task.active(),
             held: task.held_completed(),
@@ -101,13 +90,7 @@ impl TaskSnapshot {
 
     /// Records of the task's retry-topic partition without a final outcome.
     fn retry_backlog(&self, shared: &Shared) -> u64 {
-        retry_backlog_of(
-            shared,
-            self.pipeline,
-            self.partition,
-            self.retry_watermark,
-            self.retry_final_above,
-        )
+        retry_backlog_of(shared, self.pipeline, self.partition, self.retry)
     }
 
     /// The task's metadata, with the log's offsets as they are now.

@@ -65,6 +65,27 @@ pub(crate) fn backlog(retry_end: u64, watermark: u64, final_above: u64) -> u64 {
     retry_end.saturating_sub(watermark).saturating_sub(final_above)
 }
 
+/// What a retry queue's backlog is computed from, copied under the
+/// scheduler's lock so the log's end can be asked for without it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RetryPosition {
+    watermark: u64,
+    final_above: u64,
+    /// Entries read and not final, once a read has seen everything
+    /// appended: then the backlog is exactly these. Offsets past the last
+    /// entry may hold no record (Kafka's transaction markers, aborted
+    /// entries), so counting up to the log's end would never reach 0.
+    read_and_open: Option<u64>,
+}
+
+impl RetryPosition {
+    /// Entries without a final outcome, given the retry partition's end.
+    pub(crate) fn backlog(self, retry_end: u64) -> u64 {
+        self.read_and_open
+            .unwrap_or_else(|| backlog(retry_end, self.watermark, self.final_above))
+    }
+}
+
 /// The longest a read of new entries waits (see `RetryQueue::with_fetch_delay`):
 /// past it, batching reads saves little, and a re-driven dead letter should
 /// not wait long for its first read.
@@ -238,6 +259,16 @@ impl RetryQueue {
     pub(crate) fn has_uncommitted(&self) -> bool {
         self.seq.watermark() != self.committed
             || self.seq.completed_above().len() + self.done_before.len() != self.committed_done
+    }
+
+    /// What the backlog is computed from (see [`RetryPosition`]).
+    pub(crate) fn position(&self) -> RetryPosition {
+        let read_everything = self.in_flight.is_none() && self.fetched_gen == self.append_gen;
+        RetryPosition {
+            watermark: self.seq.watermark(),
+            final_above: self.final_above(),
+            read_and_open: read_everything.then(|| self.seq.pending() as u64),
+        }
     }
 
     /// Entries above the watermark that are final already.
@@ -530,6 +561,37 @@ mod tests {
         queue.notify_append(0);
         let (from, _, _) = queue.start_fetch(0).expect("appended since");
         assert_eq!(from, 5, "no entry is read twice");
+    }
+
+    /// A transaction's marker after the last entry, or entries of an aborted
+    /// transaction, are offsets no read returns: once a read has seen all
+    /// that was appended, they are not backlog (else it never reaches 0).
+    #[test]
+    fn offsets_past_the_last_entry_are_not_backlog_once_everything_is_read() {
+        let mut queue = RetryQueue::new(0, true, 100, vec![]);
+        let (_, _, generation) = queue.start_fetch(0).expect("a new queue reads its partition");
+        assert_eq!(
+            queue.position().backlog(3),
+            3,
+            "a read under way knows nothing yet"
+        );
+        queue.fetch_ended(generation, Some(1));
+        queue.add_fetched(vec![item("a", 0, 0)]);
+        // Entry 0, then a commit marker at 1 and an aborted entry at 2.
+        assert_eq!(queue.position().backlog(3), 1, "entry 0 waits");
+        let taken = queue.take_due(10, |_| true);
+        let finished: Vec<_> = taken
+            .iter()
+            .map(|i| (i.retry_offset, i.record.offset, i.record.key.clone()))
+            .collect();
+        queue.complete(&finished, vec![]);
+        assert_eq!(queue.position().backlog(3), 0);
+        queue.notify_append(0);
+        assert_eq!(
+            queue.position().backlog(4),
+            3,
+            "appended since: counted to the end"
+        );
     }
 
     #[test]
