@@ -281,7 +281,6 @@ fn an_injected_abort_revives_the_task_and_loses_nothing_with_persistent_stores()
 /// of the records before it); the commit fails, the task is revived and
 /// runs them again (the slow record is slow once).
 #[test]
-#[ignore = "known open: after the broker aborts a timed-out transaction the producer is fatal and dead-letter appends retry on it forever instead of reviving the task; issue 42"]
 fn a_transaction_past_its_timeout_is_revived_and_loses_nothing() {
     log_to_test_output();
     let Some(broker) = broker() else { return };

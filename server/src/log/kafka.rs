@@ -216,6 +216,38 @@ struct TaskTransaction {
     /// Appends share it; a commit takes it alone, so nothing lands between
     /// the offsets it sends and the end of its transaction.
     gate: RwLock<()>,
+    /// Why the open transaction cannot commit, once an append in it failed
+    /// (librdkafka then refuses to commit it: the broker aborted it on its
+    /// timeout, or a record was not delivered); cleared when it is aborted.
+    doomed: Mutex<Option<String>>,
+}
+
+impl TaskTransaction {
+    /// The failed append `error` dooms the open transaction: answered as
+    /// `LogError::TransactionAborted`, fenced if the producer is fatal.
+    fn doom(&self, error: LogError) -> LogError {
+        if matches!(error, LogError::Rejected { .. }) {
+            // Refused before anything was sent: the transaction goes on.
+            return error;
+        }
+        let reason = error.to_string();
+        *self.doomed.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason.clone());
+        LogError::TransactionAborted {
+            transaction: self.id.clone(),
+            reason,
+            fenced: self.is_fatal(),
+        }
+    }
+
+    /// Whether librdkafka gave the producer up (fenced, or its epoch bumped
+    /// by the broker): no transaction of it can commit any more.
+    fn is_fatal(&self) -> bool {
+        self.producer.client().fatal_error().is_some()
+    }
+
+    fn doomed(&self) -> Option<String> {
+        self.doomed.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
 }
 
 /// What the notifier thread is told.
@@ -1158,8 +1190,12 @@ impl KafkaLog {
         let _inside = transaction
             .as_ref()
             .map(|t| t.gate.read().unwrap_or_else(|e| e.into_inner()));
-        let producer = transaction.as_ref().map_or(&self.producer, |t| &t.producer);
-        self.send_with(producer, topic, partitions, records)
+        match &transaction {
+            Some(transaction) => self
+                .send_with(&transaction.producer, topic, partitions, records)
+                .map_err(|error| transaction.doom(error)),
+            None => self.send_with(&self.producer, topic, partitions, records),
+        }
     }
 
     /// The transaction every one of `records` belongs to (all to one
@@ -1590,6 +1626,7 @@ impl KafkaLog {
             id: transactional_id.to_string(),
             producer,
             gate: RwLock::new(()),
+            doomed: Mutex::new(None),
         });
         let mut transactions = self.transactions.write().unwrap_or_else(|e| e.into_inner());
         for key in partitions {
@@ -1681,6 +1718,23 @@ impl KafkaLog {
         }
         let alone = transaction.gate.write().unwrap_or_else(|e| e.into_inner());
         let producer = &transaction.producer;
+        if let Some(reason) = transaction.doomed() {
+            let fenced = transaction.is_fatal()
+                || producer
+                    .abort_transaction(REQUEST_TIMEOUT)
+                    .and_then(|()| producer.begin_transaction())
+                    .is_err();
+            *transaction.doomed.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            drop(alone);
+            if fenced {
+                self.forget_transaction(transactional_id);
+            }
+            return Err(LogError::TransactionAborted {
+                transaction: transactional_id.to_string(),
+                reason: format!("an append in it failed: {reason}"),
+                fenced,
+            });
+        }
         #[cfg(any(test, feature = "fault-injection"))]
         if self.take_injected_abort(transactional_id) {
             let aborted = producer
@@ -1749,7 +1803,8 @@ impl KafkaLog {
         let producer = &transaction.producer;
         // Aborting with no open transaction fails; beginning then decides.
         let _ = producer.abort_transaction(REQUEST_TIMEOUT);
-        producer.begin_transaction().is_ok()
+        *transaction.doomed.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        !transaction.is_fatal() && producer.begin_transaction().is_ok()
     }
 
     /// Whether a transactional producer of `transactional_id` is here.
@@ -1790,6 +1845,15 @@ impl KafkaLog {
         });
         let _inside = transaction.gate.read().unwrap_or_else(|e| e.into_inner());
         self.send_with(&transaction.producer, topic, partitions, outgoing.collect())
+            .map_err(|error| transaction.doom(error))
+    }
+
+    /// Whether the open transaction of `transactional_id` cannot commit (an
+    /// append in it failed; see `TaskTransaction::doomed`), and if so
+    /// whether its producer is fenced for good.
+    pub fn transaction_doomed(&self, transactional_id: &str) -> Option<bool> {
+        let transaction = self.transaction(transactional_id).ok()?;
+        transaction.doomed().map(|_| transaction.is_fatal())
     }
 
     /// The transaction of `transactional_id`.

@@ -232,9 +232,21 @@ fn write_and_report(shared: &Shared, item: &CommitItem) -> Result<(), String> {
 /// A commit that could not be written: reported, backed off, and (for a
 /// store) a storage fault until a later commit of the task succeeds.
 fn failed(shared: &Shared, item: &CommitItem, error: &str) {
+    // An append of the task's transaction failed (on its way to this commit
+    // or before): the transaction cannot commit, whatever failed here.
+    let doomed = shared
+        .log
+        .as_kafka()
+        .filter(|_| shared.exactly_once())
+        .and_then(|kafka| kafka.transaction_doomed(&shared.transactional_id(&item.task_id)));
     let corrupted = {
         let mut scheduler = shared.lock();
         scheduler.commit_applied(item, false, std::time::Instant::now());
+        if let Some(fenced) = doomed
+            && scheduler.corrupt(item, fenced)
+        {
+            shared.watchdog.wake();
+        }
         scheduler.is_corrupted(item)
     };
     // An aborted transaction is no storage fault: the task starts again.

@@ -370,6 +370,21 @@ pub(crate) fn append_with_backoff(
     }
 }
 
+/// An append of the unit's task's transaction failed, so the transaction
+/// cannot commit: the task is marked corrupted (see `revival`).
+fn corrupted_by_append(shared: &Shared, context: &UnitContext, topic: &str, fenced: bool) {
+    let marked = shared
+        .lock()
+        .corrupt_task(&context.task_id, context.pipeline, context.partition, fenced);
+    if marked {
+        tracing::warn!(
+            task = %context.task_id, topic, fenced,
+            "an append of the task's transaction failed: it cannot commit; the task is revived from its last commit"
+        );
+        shared.watchdog.wake();
+    }
+}
+
 /// `append_with_backoff` for a unit's failed records: all at once; when the
 /// log refuses one of them for good (`LogError::Rejected`: a record too
 /// large for it), one at a time, so only the refused records fail. A record
@@ -675,6 +690,12 @@ pub(crate) fn run_unit(shared: &Shared, context: &UnitContext, unit: &WorkUnit) 
                 {
                     given_back.push(i);
                 }
+                // The task's transaction cannot commit: the task is revived
+                // from its last commit, and these records run again there.
+                Err(LogError::TransactionAborted { fenced, .. }) => {
+                    corrupted_by_append(shared, context, topic, fenced);
+                    given_back.push(i);
+                }
                 // An error no wait mends: not on its path, the record's
                 // outcome is final.
                 Err(error) => failed_to_append(&mut outcomes[i], topic, &error),
@@ -842,9 +863,13 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: &mut Ve
             Next::DeadLetter => match dead_lettered.next().unwrap_or(Ok(())) {
                 Ok(()) => Next::DeadLetter,
                 Err(error @ LogError::Rejected { .. }) => Next::Refused(error),
-                // Refused by the dead-letter topic for now: the record stays
-                // on the retry path.
-                Err(_) => {
+                // Refused by the dead-letter topic for now (or the task's
+                // transaction cannot commit, and it is revived): the record
+                // stays on the retry path.
+                Err(error) => {
+                    if let LogError::TransactionAborted { fenced, .. } = error {
+                        corrupted_by_append(shared, context, dead_letter_topic, fenced);
+                    }
                     item.due_ms = retry::due_ms(now_ms(), shared.backoff(attempts, item.retry_offset));
                     Next::Again
                 }

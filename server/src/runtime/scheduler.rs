@@ -334,6 +334,27 @@ impl Scheduler {
         }
     }
 
+    /// `corrupt` for the task a unit ran for (`task_id` at `pipeline`'s
+    /// `partition`), from a failed append of its transaction; false if that
+    /// task has left.
+    pub(crate) fn corrupt_task(
+        &mut self,
+        task_id: &Arc<str>,
+        pipeline: usize,
+        partition: u32,
+        fenced: bool,
+    ) -> bool {
+        let Some(t) = self.task_index(pipeline, partition) else {
+            return false;
+        };
+        let task = self.task_mut(t);
+        if !Arc::ptr_eq(task.id(), task_id) {
+            return false;
+        }
+        task.corrupt(fenced);
+        true
+    }
+
     /// Whether a commit's task is marked corrupted (its transaction aborted).
     pub(crate) fn is_corrupted(&mut self, item: &CommitItem) -> bool {
         self.live_task_of(item)

@@ -209,12 +209,14 @@ pub(crate) struct TaskInit {
 
 /// A task whose transaction aborted (exactly_once_v2): it takes no more work,
 /// is closed without a last commit (what the aborted transaction held is gone,
-/// and the stores go back to the last committed one) and, unless its
-/// producer was fenced, starts again here from the group's committed offsets.
+/// and the stores go back to the last committed one) and, while the group
+/// assigns its partition here, starts again from the group's committed
+/// offsets (see `revival`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Corruption {
-    /// Another producer of the task's transactional id fenced this one: the
-    /// task is another instance's now, and is not revived here.
+    /// The task's producer was fenced (by another producer of its
+    /// transactional id, or by the broker on the transaction's timeout): it
+    /// cannot go on, and the task is revived, if at all, with a new one.
     pub(crate) fenced: bool,
     /// The records the closed incarnation had fetched end here: those below
     /// run again, and their outcomes are published again, marked so.
