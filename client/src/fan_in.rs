@@ -485,11 +485,13 @@ async fn open_partition(
     // While the metadata is stale, two instances may list the partition:
     // take turns.
     let owner = &owners[attempt % owners.len()];
-    let peer = context
-        .client
-        .connect_peer(&owner.address)
-        .await
-        .map_err(retry_or_fatal)?;
+    let peer = connect_owner(
+        context,
+        &owner.address,
+        owners.len() == 1 && metadata.metadata.len() == 1,
+    )
+    .await
+    .map_err(retry_or_fatal)?;
     match peer
         .streams()
         .get_metadata_async(owner.options.to_request(&context.store))
@@ -546,6 +548,20 @@ async fn current_metadata(context: &Context) -> Result<v1::ProcessMetadataForSto
     Err(first)
 }
 
+/// A client of the instance at `address`. When it cannot be reached and
+/// it is the only instance listed, this client's own server: one server
+/// (the embedded log) advertises its `application_server`, which may be a
+/// name only others resolve, and it can only be the server asked.
+async fn connect_owner(context: &Context, address: &str, only: bool) -> Result<StreamsClient, ClientError> {
+    match context.client.connect_peer(address).await {
+        Err(error) if only && error.is_retryable() => {
+            tracing::debug!(address, %error, "the only instance listed is not reachable as advertised; using the server asked");
+            Ok(context.client.clone())
+        }
+        connected => connected,
+    }
+}
+
 fn remember_peers(context: &Context, metadata: &v1::ProcessMetadataForStoreResponse) {
     let mut peers = lock(&context.peers);
     for instance in &metadata.metadata {
@@ -578,9 +594,10 @@ async fn open_all(context: &Context) -> Result<(Opened, Vec<(u32, ClientError)>)
     remember_peers(context, &metadata);
     let mut opened = Vec::new();
     let mut orphans = Vec::new();
+    let only = metadata.metadata.len() == 1;
     for instance in plan(&metadata, options) {
         let stream = async {
-            let peer = context.client.connect_peer(&instance.address).await?;
+            let peer = connect_owner(context, &instance.address, only).await?;
             Ok::<_, ClientError>(
                 peer.streams()
                     .get_metadata_async(instance.options.to_request(&context.store))
