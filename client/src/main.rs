@@ -220,6 +220,15 @@ enum ThreadsCommand {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The client's own log (a followed partition, offsets lost in a move) on
+    // stderr, apart from the output; `RUST_LOG=info` shows every follow.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(io::stderr)
+        .init();
     match run(cli).await {
         Ok(code) => ExitCode::from(code),
         Err(error) => {
