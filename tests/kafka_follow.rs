@@ -143,7 +143,8 @@ impl Application {
         let topic = format!("{name}-events");
         let dir = taskstream_server::scratch::scratch_dir("follow").expect("a scratch dir");
         let config = dir.path().join("taskstream.toml");
-        // A short session timeout: the group notices the SIGKILL in 6 s.
+        // The session timeout is the broker's (group.protocol=consumer):
+        // tests/common/kafka.rs sets 6 s, so the group notices the SIGKILL soon.
         std::fs::write(
             &config,
             format!(
@@ -153,9 +154,6 @@ impl Application {
                 num_threads_per_task = 1
                 replication_factor = 1
                 commit_interval_ms = 500
-                [kafka]
-                "session.timeout.ms" = 6000
-                "heartbeat.interval.ms" = 1000
                 [[topics]]
                 name = "{topic}"
                 partitions = {PARTITIONS}
@@ -186,9 +184,16 @@ impl Application {
     }
 
     fn start(&self, broker: &Broker, i: usize) -> Instance {
-        Launch::kafka(&self.config, &broker.bootstrap)
-            .log_file(self.log(i))
-            .start()
+        let started = std::panic::catch_unwind(|| {
+            Launch::kafka(&self.config, &broker.bootstrap)
+                .log_file(self.log(i))
+                .start()
+        });
+        started.unwrap_or_else(|panic| {
+            // The scratch dir goes with the panic: show why it did not start.
+            eprintln!("{}", std::fs::read_to_string(self.log(i)).unwrap_or_default());
+            std::panic::resume_unwind(panic)
+        })
     }
 }
 
