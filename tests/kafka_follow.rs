@@ -103,18 +103,32 @@ impl Seen {
     /// Every offset below `ends` delivered exactly once or named in one
     /// notice; nothing delivered twice, nothing delivered and named.
     fn check(&self, who: &str, ends: &BTreeMap<u32, i64>) {
-        assert!(self.errors.is_empty(), "{who}: errors reached the callback: {:?}", self.errors);
+        assert!(
+            self.errors.is_empty(),
+            "{who}: errors reached the callback: {:?}",
+            self.errors
+        );
         for (&partition, offsets) in &self.delivered {
             let twice: Vec<_> = offsets.iter().filter(|(_, n)| **n > 1).collect();
-            assert!(twice.is_empty(), "{who}: partition {partition} delivered twice: {twice:?}");
+            assert!(
+                twice.is_empty(),
+                "{who}: partition {partition} delivered twice: {twice:?}"
+            );
         }
         for &(p, first, last) in &self.gaps {
             let both: Vec<i64> = (first..=last)
                 .filter(|o| self.delivered.get(&p).is_some_and(|d| d.contains_key(o)))
                 .collect();
-            assert!(both.is_empty(), "{who}: partition {p}: named lagged and delivered: {both:?}");
+            assert!(
+                both.is_empty(),
+                "{who}: partition {p}: named lagged and delivered: {both:?}"
+            );
         }
-        assert_eq!(self.missing(ends), 0, "{who}: offsets neither delivered nor named lagged");
+        assert_eq!(
+            self.missing(ends),
+            0,
+            "{who}: offsets neither delivered nor named lagged"
+        );
     }
 
     fn summary(&self) -> String {
@@ -258,8 +272,11 @@ fn watch(instance: &Instance, log: PathBuf, seen: Arc<Mutex<Seen>>) -> std::proc
             };
             if let Some(lagged) = value.get("lagged") {
                 let field = |name: &str| lagged[name].as_i64().unwrap_or(-1);
-                seen.gaps
-                    .push((field("partition") as u32, field("first_offset"), field("last_offset")));
+                seen.gaps.push((
+                    field("partition") as u32,
+                    field("first_offset"),
+                    field("last_offset"),
+                ));
                 continue;
             }
             for record in value["records"].as_array().into_iter().flatten() {
@@ -283,7 +300,11 @@ fn a_fan_in_and_watch_follow_partitions_to_their_new_owners_across_a_sigkill() {
     let mut instances: Vec<Instance> = (0..3).map(|i| app.start(broker, i)).collect();
     let runtime = runtime();
     eventually("three instances share the partitions", &logs, || {
-        runtime.block_on(share_all(&instances.iter().collect::<Vec<_>>(), "counts", PARTITIONS))
+        runtime.block_on(share_all(
+            &instances.iter().collect::<Vec<_>>(),
+            "counts",
+            PARTITIONS,
+        ))
     });
 
     // The subscriber asks instance 0, which survives; from offset 0 of every
@@ -298,25 +319,29 @@ fn a_fan_in_and_watch_follow_partitions_to_their_new_owners_across_a_sigkill() {
     let into = seen.clone();
     let handle = {
         let _guard = runtime.enter();
-        client.get_metadata_async_all("counts", options, move |result: Result<MetadataBatch, ClientError>| {
-            let now = Instant::now();
-            let mut seen = into.lock().expect("lock");
-            match result {
-                Ok(batch) => {
-                    for record in &batch.records {
-                        if record.outcome != taskstream_client::v1::RecordOutcome::Retrying {
-                            seen.delivery(record.partition, record.offset, now);
+        client.get_metadata_async_all(
+            "counts",
+            options,
+            move |result: Result<MetadataBatch, ClientError>| {
+                let now = Instant::now();
+                let mut seen = into.lock().expect("lock");
+                match result {
+                    Ok(batch) => {
+                        for record in &batch.records {
+                            if record.outcome != taskstream_client::v1::RecordOutcome::Retrying {
+                                seen.delivery(record.partition, record.offset, now);
+                            }
                         }
                     }
+                    Err(ClientError::LaggedOffsets {
+                        partition,
+                        first_offset,
+                        last_offset,
+                    }) => seen.gaps.push((partition, first_offset, last_offset)),
+                    Err(error) => seen.errors.push(error.to_string()),
                 }
-                Err(ClientError::LaggedOffsets {
-                    partition,
-                    first_offset,
-                    last_offset,
-                }) => seen.gaps.push((partition, first_offset, last_offset)),
-                Err(error) => seen.errors.push(error.to_string()),
-            }
-        })
+            },
+        )
     };
     let watched = Arc::new(Mutex::new(Seen::default()));
     let mut watcher = watch(&instances[0], app.dir.path().join("watch.log"), watched.clone());
@@ -354,7 +379,10 @@ fn a_fan_in_and_watch_follow_partitions_to_their_new_owners_across_a_sigkill() {
             seen.lock().expect("lock").missing(&ends) == 0
         });
         let seen = seen.lock().expect("lock");
-        println!("{who}: complete {took:?} after the last record; {}", seen.summary());
+        println!(
+            "{who}: complete {took:?} after the last record; {}",
+            seen.summary()
+        );
         seen.check(who, &ends);
         // Going on on the new owners: the moved partitions had deliveries
         // after the kill.
@@ -369,9 +397,16 @@ fn a_fan_in_and_watch_follow_partitions_to_their_new_owners_across_a_sigkill() {
     let _ = watcher.kill();
     let _ = watcher.wait();
     let watch_log = std::fs::read_to_string(app.dir.path().join("watch.log")).unwrap_or_default();
-    let followed = watch_log.lines().filter(|l| l.contains("followed the partition")).count();
+    let followed = watch_log
+        .lines()
+        .filter(|l| l.contains("followed the partition"))
+        .count();
     println!("watch logged {followed} follows, e.g.:");
-    for line in watch_log.lines().filter(|l| l.contains("followed the partition")).take(3) {
+    for line in watch_log
+        .lines()
+        .filter(|l| l.contains("followed the partition"))
+        .take(3)
+    {
         println!("  {line}");
     }
     assert!(followed >= moved.len(), "watch logs each follow:\n{watch_log}");

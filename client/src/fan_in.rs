@@ -188,6 +188,10 @@ struct FanIn<C> {
     next_key: usize,
     /// The partitions each live stream carries.
     carries: HashMap<usize, Vec<u32>>,
+    /// Resumed streams that delivered nothing new yet: the repeats a
+    /// partition had dropped when its stream resumed, to log how many the
+    /// new owner sent before its first new record.
+    resumed: HashMap<usize, u64>,
     follows: BTreeMap<u32, PartitionFollow>,
     reopening: JoinSet<Reopened>,
     coalescer: Option<Coalescer>,
@@ -205,17 +209,23 @@ impl<C: crate::RecordCallback> FanIn<C> {
             streams: StreamMap::new(),
             next_key: 0,
             carries: HashMap::new(),
+            resumed: HashMap::new(),
             follows: BTreeMap::new(),
             reopening: JoinSet::new(),
             coalescer,
         }
     }
 
-    fn insert(&mut self, partitions: Vec<u32>, stream: tonic::Streaming<v1::GetMetadataAsyncResponse>) {
+    fn insert(
+        &mut self,
+        partitions: Vec<u32>,
+        stream: tonic::Streaming<v1::GetMetadataAsyncResponse>,
+    ) -> usize {
         let key = self.next_key;
         self.next_key += 1;
         self.carries.insert(key, partitions);
         self.streams.insert(key, events(stream));
+        key
     }
 
     fn follow(&mut self, partition: u32) -> &mut PartitionFollow {
@@ -318,16 +328,16 @@ impl<C: crate::RecordCallback> FanIn<C> {
                 }
             }
         }
-        let duplicates = self.follow(partition).duplicates();
         tracing::info!(
             store = %self.context.store,
             partition,
             owner = %resumed.owner,
             resume_from = resumed.available.or(resumed.from),
-            duplicates_dropped_so_far = duplicates,
             "followed the partition to its owner"
         );
-        self.insert(vec![partition], resumed.stream);
+        let duplicates = self.follow(partition).duplicates();
+        let key = self.insert(vec![partition], resumed.stream);
+        self.resumed.insert(key, duplicates);
         true
     }
 
@@ -341,9 +351,21 @@ impl<C: crate::RecordCallback> FanIn<C> {
             Some(Ok(v1::GetMetadataAsyncResponse {
                 event: Some(Event::Batch(batch)),
             })) => {
-                let Some(batch) = self.follow(batch.partition).accept(batch) else {
+                let partition = batch.partition;
+                let follow = self.follow(partition);
+                let Some(batch) = follow.accept(batch) else {
                     return true;
                 };
+                if let Some(before) = self.resumed.remove(&key) {
+                    let repeats = self.follow(partition).duplicates() - before;
+                    tracing::info!(
+                        store = %self.context.store,
+                        partition,
+                        first_offset = batch.first_offset,
+                        repeats_dropped = repeats,
+                        "the resumed stream delivers again"
+                    );
+                }
                 match &mut self.coalescer {
                     Some(coalescer) => coalescer.push(batch),
                     None => self.callback.call(Ok(MetadataBatch::from(batch))),
@@ -361,6 +383,7 @@ impl<C: crate::RecordCallback> FanIn<C> {
             Some(Ok(v1::GetMetadataAsyncResponse { event: None })) => true,
             Some(Err(status)) => {
                 self.streams.remove(&key);
+                self.resumed.remove(&key);
                 let partitions = self.carries.remove(&key).unwrap_or_default();
                 let error = ClientError::from_status(&status);
                 if self.context.options.follow_moves.is_none() || !error.is_retryable() {
@@ -374,6 +397,7 @@ impl<C: crate::RecordCallback> FanIn<C> {
             }
             None => {
                 self.streams.remove(&key);
+                self.resumed.remove(&key);
                 let partitions = self.carries.remove(&key).unwrap_or_default();
                 // A bounded stream that completed is done; an open one only
                 // ends when its server let the partitions go.
