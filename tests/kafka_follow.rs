@@ -135,9 +135,10 @@ impl Seen {
         let delivered: usize = self.delivered.values().map(BTreeMap::len).sum();
         let lagged: i64 = self.gaps.iter().map(|(_, f, l)| l - f + 1).sum();
         format!(
-            "{delivered} delivered, {} lagged notices covering {lagged} offsets, longest pause \
-             {:?} (partition {:?})",
+            "{delivered} delivered, {} lagged notices covering {lagged} offsets {:?}, longest \
+             pause {:?} (partition {:?})",
             self.gaps.len(),
+            self.gaps,
             self.longest_pause,
             self.longest_pause_partition
         )
@@ -152,7 +153,8 @@ struct Application {
 }
 
 impl Application {
-    fn new() -> Application {
+    /// `retention`: the instances' `outcome_retention_records`.
+    fn new(retention: usize) -> Application {
         let name = unique("follow");
         let topic = format!("{name}-events");
         let dir = taskstream_server::scratch::scratch_dir("follow").expect("a scratch dir");
@@ -168,6 +170,7 @@ impl Application {
                 num_threads_per_task = 1
                 replication_factor = 1
                 commit_interval_ms = 500
+                outcome_retention_records = {retention}
                 [[topics]]
                 name = "{topic}"
                 partitions = {PARTITIONS}
@@ -291,10 +294,10 @@ fn watch(instance: &Instance, log: PathBuf, seen: Arc<Mutex<Seen>>) -> std::proc
     child
 }
 
-#[test]
-fn a_fan_in_and_watch_follow_partitions_to_their_new_owners_across_a_sigkill() {
+/// The scenario; `retention` is the instances' `outcome_retention_records`.
+fn follow_across_a_sigkill(retention: usize) {
     let Some(broker) = broker() else { return };
-    let app = Application::new();
+    let app = Application::new(retention);
     let logs = app.logs();
     println!("application {} in {}", app.name, app.dir.path().display());
     let mut instances: Vec<Instance> = (0..3).map(|i| app.start(broker, i)).collect();
@@ -410,4 +413,20 @@ fn a_fan_in_and_watch_follow_partitions_to_their_new_owners_across_a_sigkill() {
         println!("  {line}");
     }
     assert!(followed >= moved.len(), "watch logs each follow:\n{watch_log}");
+}
+
+/// The default retention (100,000 records per task): the new owners still
+/// hold everything the subscribers had not seen, so nothing is lost.
+#[test]
+fn a_fan_in_and_watch_follow_partitions_to_their_new_owners_across_a_sigkill() {
+    follow_across_a_sigkill(100_000);
+}
+
+/// Ten records per task: by the time a subscriber finds a new owner, that
+/// owner has processed on and let go of the outcomes after the last commit,
+/// so the subscribers must be told in-band which offsets they lost (and a
+/// run that happens to lose none is still checked for repeats and holes).
+#[test]
+fn offsets_a_new_owner_no_longer_holds_are_named_lagged_across_a_sigkill() {
+    follow_across_a_sigkill(10);
 }
