@@ -308,6 +308,7 @@ impl<C: crate::RecordCallback> FanIn<C> {
                 return false;
             }
         };
+        self.follow(partition).resume();
         if let Some(available) = resumed.available {
             for gap in self.follow(partition).missed_until(available) {
                 tracing::warn!(

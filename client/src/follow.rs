@@ -15,8 +15,10 @@
 //! - `settled_above` holds the disjoint offset ranges at or above it whose
 //!   final outcome was delivered (records completed out of order, or a
 //!   record still retrying below them);
-//! - a final outcome is delivered at most once per offset; a RETRYING
-//!   outcome of a settled offset is stale and dropped too.
+//! - once a stream resumed, a final outcome is delivered at most once per
+//!   offset, and a RETRYING outcome of a settled offset is stale and dropped
+//!   too (within the first stream the server sends each final outcome once,
+//!   and from `Latest` in unordered order lower offsets may still come).
 
 use std::collections::BTreeMap;
 
@@ -48,6 +50,10 @@ pub(crate) struct PartitionFollow {
     settled_above: BTreeMap<i64, i64>,
     /// Records dropped as repeats, for the log of a resumed stream.
     duplicates: u64,
+    /// Set once a stream resumed. Before, offsets below `settled_below` are
+    /// not repeats: from `Latest` or `Earliest` it is only the first batch's
+    /// lowest offset, and in unordered order lower ones may still come.
+    resumed: bool,
 }
 
 impl PartitionFollow {
@@ -58,7 +64,13 @@ impl PartitionFollow {
             settled_below: start,
             settled_above: BTreeMap::new(),
             duplicates: 0,
+            resumed: false,
         }
+    }
+
+    /// A new stream of this partition starts (at `resume_from`).
+    pub(crate) fn resume(&mut self) {
+        self.resumed = true;
     }
 
     /// Where a new stream of this partition must start; `None` before
@@ -140,7 +152,7 @@ impl PartitionFollow {
     }
 
     fn is_settled(&self, offset: i64) -> bool {
-        if self.settled_below.is_some_and(|below| offset < below) {
+        if self.resumed && self.settled_below.is_some_and(|below| offset < below) {
             return true;
         }
         self.settled_above
@@ -250,6 +262,7 @@ mod tests {
             (10..20).collect::<Vec<_>>()
         );
         assert_eq!(follow.resume_from(), Some(20));
+        follow.resume();
         // The new owner re-processes from its last commit, 15: 15..20 repeat.
         let resumed = follow.accept(batch(15..25)).expect("new records");
         assert_eq!((resumed.first_offset, resumed.last_offset), (20, 24));
@@ -274,6 +287,7 @@ mod tests {
         assert_eq!(follow.resume_from(), Some(14));
         assert_eq!(follow.missed_until(14), vec![], "nothing more is missing");
         assert_eq!(follow.missed_until(5), vec![], "below what was delivered");
+        follow.resume();
         assert_eq!(
             offsets(follow.accept(batch(12..16))),
             vec![14, 15],
@@ -316,6 +330,7 @@ mod tests {
             ]
         );
         assert_eq!(follow.resume_from(), Some(10));
+        follow.resume();
         // A late final outcome of a missed offset counts as a repeat: the
         // subscriber was told it would not come.
         assert_eq!(follow.accept(batch([2, 7])), None);
@@ -329,9 +344,19 @@ mod tests {
             offsets(follow.accept(with([0], v1::RecordOutcome::DeadLettered))),
             vec![0]
         );
+        // After a move the new owner repeats both.
+        follow.resume();
         assert_eq!(follow.accept(with([0], v1::RecordOutcome::Retrying)), None);
         assert_eq!(follow.accept(batch([0])), None);
         assert_eq!(follow.resume_from(), Some(1));
+    }
+
+    #[test]
+    fn before_a_resume_lower_offsets_of_an_unordered_stream_from_latest_still_pass() {
+        let mut follow = PartitionFollow::new(3, None);
+        assert_eq!(offsets(follow.accept(batch([12, 14]))), vec![12, 14]);
+        assert_eq!(offsets(follow.accept(batch([10, 11, 13]))), vec![10, 11, 13]);
+        assert_eq!(follow.resume_from(), Some(15));
     }
 
     #[test]

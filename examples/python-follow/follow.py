@@ -43,13 +43,16 @@ class PartitionFollow:
     def __init__(self, start=None):
         self.settled_below = start
         self.settled_above = set()
+        # Before a resume, lower offsets are no repeats: from Latest the
+        # start is only the first batch's lowest offset.
+        self.resumed = False
 
     def resume_from(self):
         return self.settled_below
 
     def _settled(self, offset):
         below = self.settled_below
-        return (below is not None and offset < below) or offset in self.settled_above
+        return (self.resumed and below is not None and offset < below) or offset in self.settled_above
 
     def _settle(self, offset):
         if self.settled_below is not None and offset < self.settled_below:
@@ -139,10 +142,12 @@ def follow_partition(addresses, store, partition, start, pb, pb_grpc, on_batch, 
 
     final = (pb.RECORD_OUTCOME_RETRYING, pb.RECORD_OUTCOME_UNSPECIFIED)
     state = PartitionFollow(start)
-    backoff, lost_at = FIRST_BACKOFF_S, None
+    backoff, lost_at, started = FIRST_BACKOFF_S, None, False
     while not stop():
         owner = _owner(addresses, store, partition, pb, pb_grpc)
         resume = state.resume_from()
+        # Every stream after the first one resumes.
+        state.resumed, started = started, True
         request = pb.GetMetadataAsyncRequest(store=store, in_order=in_order, partitions=[partition])
         if resume is not None:
             request.start = pb.START_POSITION_OFFSETS

@@ -267,6 +267,7 @@ def main():
         final = lambda r: True  # noqa: E731
         assert [r.offset for r in state.accept([R(o) for o in range(5)], final)] == list(range(5))
         assert state.resume_from() == 5
+        state.resumed = True
         # The new owner re-processed from its last commit, 3: 3 and 4 repeat.
         assert [r.offset for r in state.accept([R(o) for o in range(3, 7)], final)] == [5, 6]
         state.accept([R(9)], final)
