@@ -125,3 +125,59 @@ fn the_empty_key_is_produced_counted_and_found_by_get() {
     }
     server.stop();
 }
+
+#[test]
+fn watch_goes_through_the_fan_in_on_one_server_and_prints_every_record_once() {
+    // On the embedded log the fan-in finds this one instance (its
+    // application_server) and streams every partition from it.
+    let server = Server::start("cli-watch");
+    for (partition, value) in [("0", "a"), ("0", "b"), ("3", "c"), ("7", "d")] {
+        taskstream(
+            &server,
+            &[
+                "produce",
+                "--topic",
+                "events",
+                "--partition",
+                partition,
+                "--no-progress",
+                value,
+            ],
+        );
+    }
+    for follow in ["120", "0"] {
+        let text = taskstream(
+            &server,
+            &[
+                "--json",
+                "watch",
+                "--store",
+                "counts",
+                "--in-order",
+                "--from-earliest",
+                "--until-end",
+                "--follow-timeout",
+                follow,
+            ],
+        )
+        .stdout;
+        let mut seen: Vec<(u64, u64)> = text
+            .lines()
+            .map(|line| serde_json::from_str::<Value>(line).expect("one JSON batch per line"))
+            .flat_map(|batch| batch["records"].as_array().cloned().unwrap_or_default())
+            .map(|r| {
+                (
+                    r["partition"].as_u64().unwrap_or(99),
+                    r["offset"].as_u64().unwrap_or(99),
+                )
+            })
+            .collect();
+        seen.sort_unstable();
+        assert_eq!(
+            seen,
+            vec![(0, 0), (0, 1), (3, 0), (7, 0)],
+            "--follow-timeout {follow}:\n{text}"
+        );
+    }
+    server.stop();
+}

@@ -1,7 +1,9 @@
 //! Python grpcio against a real server (in-process, port 0): stubs are generated
 //! from proto/ at test time with grpc_tools.protoc, then tests/python/grpcio_client.py
 //! produces, reads metadata, runs a bounded stream, checks the status codes and
-//! decodes rich error details with grpcio-status; a 1 MB store name, malformed protobuf
+//! decodes rich error details with grpcio-status, runs the follow recipe of
+//! examples/python-follow/follow.py (its dedupe and gap logic, and a stream per
+//! partition from the owner the metadata names); a 1 MB store name, malformed protobuf
 //! (raw bytes) and a 5 MiB request get their documented codes, with short messages.
 //! Python and its packages come from the tests' own venv (`common::tools`),
 //! provisioned on first use; if that fails the test fails, never skips.
@@ -59,7 +61,7 @@ fn python_grpcio_client_end_to_end() {
     // Shown with --nocapture: what the Python client checked.
     println!("{}", output.stdout);
     assert!(
-        output.stdout.contains("10/10 checks passed"),
+        output.stdout.contains("12/12 checks passed"),
         "the Python client did not run every check:\n{}",
         output.describe()
     );

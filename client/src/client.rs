@@ -498,9 +498,18 @@ impl StreamsClient {
     /// to each for the partitions it holds (within `options`), and merges
     /// them into one callback sequence with the same contract. Each
     /// partition's records keep their offset order with `in_order` (a
-    /// partition is on one instance); `coalesce` sorts them all. The first
-    /// error of any instance ends the whole subscription; on one server (the
-    /// embedded log) this is `get_metadata_async`.
+    /// partition is on one instance); `coalesce` sorts them all.
+    ///
+    /// A partition that moves (its stream ends UNAVAILABLE, or its instance
+    /// goes away) is followed to its new owner for `options.follow_moves`
+    /// (default 120 s) and resumed after the last offset delivered; outcomes
+    /// the new owner repeats are dropped by offset, and offsets it no longer
+    /// holds outcomes of arrive as one in-band
+    /// `on_complete(Err(ClientError::LaggedOffsets { .. }))` per missed range
+    /// before the resumed batches. Any other error of any instance, or a
+    /// partition not back within the deadline, ends the whole subscription
+    /// (so does every stream error with `follow_moves = None`). On one
+    /// server (the embedded log) this is `get_metadata_async` plus following.
     ///
     /// # Panics
     /// When called outside a tokio runtime (the subscription is a spawned task).

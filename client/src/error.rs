@@ -52,6 +52,7 @@ pub struct FieldViolation {
 /// | `NotAvailable` | UNAVAILABLE (from the server) | 5 |
 /// | `OutOfRange` | OUT_OF_RANGE | 6 |
 /// | `Lagged` | RESOURCE_EXHAUSTED with ErrorInfo reason `SUBSCRIBER_LAGGED`, or the in-band `Lagged` notice | 7 |
+/// | `LaggedOffsets` | in-band, from a followed partition whose new owner lacks some offsets' outcomes | 7 |
 /// | `Transport` | connect failures; UNKNOWN, CANCELLED; UNAVAILABLE raised by the transport | 8 |
 /// | `LimitExceeded` | any other RESOURCE_EXHAUSTED (reason `LIMIT_EXCEEDED`: a size or count over a limit) | 9 |
 /// | `Unauthenticated` | UNAUTHENTICATED: no bearer token, or one the server does not know | 10 |
@@ -105,6 +106,22 @@ pub enum ClientError {
     /// RESOURCE_EXHAUSTED without saying how many.
     #[error("subscriber lagged behind: {missed_batches} batches missed")]
     Lagged { missed_batches: u64 },
+
+    /// In-band, from a subscription that follows moved partitions
+    /// ([`get_metadata_async_all`](crate::StreamsClient::get_metadata_async_all)):
+    /// `partition` moved to an instance that no longer holds the outcomes of
+    /// offsets `first_offset..=last_offset` (they were processed by the old
+    /// owner, or evicted past `outcome_retention_records`), so they will not
+    /// be delivered. The subscription goes on after it.
+    #[error(
+        "partition {partition} lagged across a move: outcomes of offsets \
+         {first_offset}..={last_offset} are no longer held by any instance"
+    )]
+    LaggedOffsets {
+        partition: u32,
+        first_offset: i64,
+        last_offset: i64,
+    },
 
     /// The request went over a limit of the server (message size, records per Produce,
     /// key bytes, stream threads, subscribers, …): retrying it as it is fails again.
@@ -240,7 +257,7 @@ impl ClientError {
             ClientError::IllegalState { .. } | ClientError::NotHosted { .. } => 4,
             ClientError::NotAvailable { .. } => 5,
             ClientError::OutOfRange { .. } => 6,
-            ClientError::Lagged { .. } => 7,
+            ClientError::Lagged { .. } | ClientError::LaggedOffsets { .. } => 7,
             ClientError::Transport { .. } => 8,
             ClientError::LimitExceeded { .. } => 9,
             ClientError::Unauthenticated { .. } => 10,
@@ -314,6 +331,21 @@ fn is_transport_failure(status: &Status) -> bool {
 fn not_hosted_owner(status: &Status) -> Option<Option<String>> {
     let info = status.get_details_error_info()?;
     (info.reason == "PARTITION_NOT_HOSTED").then(|| info.metadata.get("owner").cloned())
+}
+
+/// For OUT_OF_RANGE with ErrorInfo reason `OFFSET_OUT_OF_RANGE`: the
+/// partition and the earliest offset the server still retains outcomes of.
+pub(crate) fn out_of_range_earliest(status: &Status) -> Option<(u32, i64)> {
+    if status.code() != Code::OutOfRange {
+        return None;
+    }
+    let info = status.get_details_error_info()?;
+    if info.reason != "OFFSET_OUT_OF_RANGE" {
+        return None;
+    }
+    let partition = info.metadata.get("partition")?.parse().ok()?;
+    let earliest = info.metadata.get("earliest")?.parse().ok()?;
+    Some((partition, earliest))
 }
 
 /// RESOURCE_EXHAUSTED may carry the count in ErrorInfo metadata `missed_batches`.

@@ -31,6 +31,7 @@ mod callback;
 mod client;
 mod error;
 mod fan_in;
+mod follow;
 mod metadata;
 #[cfg(test)]
 mod test_server;
@@ -41,5 +42,7 @@ pub use error::{
     ClientError, FieldViolation, PreconditionViolation, REASON_LIMIT_EXCEEDED, REASON_ROLE_REQUIRED,
     REASON_SUBSCRIBER_LAGGED,
 };
-pub use metadata::{CompletedRange, End, MetadataBatch, MetadataOptions, RecordMetadata, Start};
+pub use metadata::{
+    CompletedRange, DEFAULT_FOLLOW, End, MetadataBatch, MetadataOptions, RecordMetadata, Start,
+};
 pub use taskstream::v1;

@@ -8,7 +8,7 @@
 
 mod cli;
 
-use std::{io, path::PathBuf, process::ExitCode};
+use std::{io, path::PathBuf, process::ExitCode, time::Duration};
 
 use bytes::Bytes;
 use clap::{Args, Parser, Subcommand};
@@ -186,6 +186,11 @@ struct WatchArgs {
     /// At most this many records per batch (0 = as completed).
     #[arg(long, default_value_t = 0)]
     max_batch_records: u32,
+    /// When a partition moves to another instance (a rebalance, an instance that
+    /// died), look for its new owner for up to this many seconds and resume there
+    /// after the last offset printed; 0 = stop with the error instead.
+    #[arg(long, default_value_t = 120, value_name = "SECS")]
+    follow_timeout: u64,
 }
 
 #[derive(Debug, Args)]
@@ -215,6 +220,16 @@ enum ThreadsCommand {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The client's own log (a followed partition, offsets lost in a move) on
+    // stderr, apart from the output; `RUST_LOG=info` shows every follow.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(io::stderr)
+        .with_ansi(io::IsTerminal::is_terminal(&io::stderr()))
+        .init();
     match run(cli).await {
         Ok(code) => ExitCode::from(code),
         Err(error) => {
@@ -333,6 +348,7 @@ async fn run(cli: Cli) -> anyhow::Result<u8> {
                 from_earliest: args.from_earliest,
                 partitions: args.partitions,
                 max_batch_records: args.max_batch_records,
+                follow_timeout: (args.follow_timeout > 0).then(|| Duration::from_secs(args.follow_timeout)),
                 json: as_json,
             };
             if watch::run(&client, input).await? == WatchEnd::Interrupted {

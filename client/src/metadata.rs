@@ -4,7 +4,10 @@
 //! One payload type serves both modes: a streamed batch becomes a
 //! `MetadataBatch` with one range, a coalesced stream one with every range.
 
-use std::collections::{BTreeMap, HashMap};
+use std::{
+    collections::{BTreeMap, HashMap},
+    time::Duration,
+};
 
 use bytes::Bytes;
 use taskstream::v1;
@@ -47,7 +50,7 @@ impl End {
 /// The default follows every partition from the latest watermark, one
 /// callback per streamed batch. Fields are public; the same-named methods
 /// chain: `MetadataOptions::bounded().in_order(true).coalesce(true)`.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MetadataOptions {
     /// Offset order per partition; refused (IllegalState) when the store's
     /// tasks run `key` or `unordered` order with several threads per task.
@@ -61,6 +64,31 @@ pub struct MetadataOptions {
     /// Collect the whole bounded stream and call back once with every record
     /// (sorted by partition and offset when `in_order`). Needs a bounded `end`.
     pub coalesce: bool,
+    /// [`get_metadata_async_all`](crate::StreamsClient::get_metadata_async_all)
+    /// only: when a partition's stream ends because the partition moved (or
+    /// its instance went away), look for its new owner for at most this long
+    /// and resume there after the last offset delivered (default
+    /// [`DEFAULT_FOLLOW`]). `None`: the first such error ends the subscription.
+    pub follow_moves: Option<Duration>,
+}
+
+/// How long a fan-in looks for a moved partition's new owner by default: a
+/// rebalance after a crash waits for the consumer group's session timeout
+/// (45 s by default) and then for the new owner's restore.
+pub const DEFAULT_FOLLOW: Duration = Duration::from_secs(120);
+
+impl Default for MetadataOptions {
+    fn default() -> Self {
+        MetadataOptions {
+            in_order: false,
+            start: Start::default(),
+            end: End::default(),
+            max_batch_records: 0,
+            partitions: Vec::new(),
+            coalesce: false,
+            follow_moves: Some(DEFAULT_FOLLOW),
+        }
+    }
 }
 
 impl MetadataOptions {
@@ -106,6 +134,12 @@ impl MetadataOptions {
 
     pub fn coalesce(mut self, coalesce: bool) -> Self {
         self.coalesce = coalesce;
+        self
+    }
+
+    /// See the field `follow_moves`; `None` turns following off.
+    pub fn follow_moves(mut self, deadline: Option<Duration>) -> Self {
+        self.follow_moves = deadline;
         self
     }
 

@@ -36,6 +36,9 @@ pub(crate) struct Fake {
     pub produced: Mutex<Vec<v1::ProduceRequest>>,
     /// The instances `ProcessMetadataForStore` lists.
     pub instances: Mutex<Vec<v1::StreamsMetadata>>,
+    /// Refuse a start offset below this as the server does: OUT_OF_RANGE
+    /// with ErrorInfo `OFFSET_OUT_OF_RANGE` and the earliest it retains.
+    pub earliest: Option<i64>,
 }
 
 #[derive(Default)]
@@ -124,7 +127,26 @@ impl StreamsService for Fake {
         request: Request<v1::GetMetadataAsyncRequest>,
     ) -> Result<Response<Self::GetMetadataAsyncStream>, Status> {
         self.metadata_calls.fetch_add(1, Ordering::SeqCst);
-        *self.last_request.lock().expect("lock") = Some(request.into_inner());
+        let request = request.into_inner();
+        if let Some(earliest) = self.earliest
+            && let Some((&partition, &start)) = request.start_offsets.iter().find(|(_, s)| **s < earliest)
+        {
+            use tonic_types::{ErrorDetails, StatusExt};
+            return Err(Status::with_error_details(
+                tonic::Code::OutOfRange,
+                format!("offset {start} of partition {partition} is no longer retained"),
+                ErrorDetails::with_error_info(
+                    "OFFSET_OUT_OF_RANGE",
+                    "taskstream",
+                    std::collections::HashMap::from([
+                        ("partition".to_string(), partition.to_string()),
+                        ("requested".to_string(), start.to_string()),
+                        ("earliest".to_string(), earliest.to_string()),
+                    ]),
+                ),
+            ));
+        }
+        *self.last_request.lock().expect("lock") = Some(request);
         if let Some(status) = &self.open_error {
             return Err(Status::with_details_and_metadata(
                 status.code(),

@@ -1,6 +1,11 @@
-//! `taskstream watch`: a `get_metadata_async` subscription whose callback
-//! prints each batch as it comes. It ends when a bounded stream completes, on
-//! a stream error, on Ctrl-C, or when stdout closes (`| head`).
+//! `taskstream watch`: a subscription over every instance of the application
+//! (`get_metadata_async_all`, one instance on the embedded log) whose
+//! callback prints each batch as it comes. A partition that moves is followed
+//! to its new owner (the client's fan-in): printed offsets do not repeat, and
+//! offsets no owner holds outcomes of any more are printed as a `lagged` line
+//! in their place. It ends when a bounded stream completes, on a stream error
+//! (or a partition not back within `--follow-timeout`), on Ctrl-C, or when
+//! stdout closes (`| head`).
 
 use std::{
     io,
@@ -8,6 +13,7 @@ use std::{
         Arc, Mutex,
         atomic::{AtomicBool, AtomicU64, Ordering},
     },
+    time::Duration,
 };
 
 use taskstream_client::{ClientError, End, MetadataBatch, MetadataOptions, Start, StreamsClient};
@@ -22,6 +28,8 @@ pub struct WatchInput {
     pub from_earliest: bool,
     pub partitions: Vec<u32>,
     pub max_batch_records: u32,
+    /// See `MetadataOptions::follow_moves`.
+    pub follow_timeout: Option<Duration>,
     pub json: bool,
 }
 
@@ -40,6 +48,8 @@ struct Shared {
     error: Mutex<Option<ClientError>>,
     lagged: AtomicBool,
     missed_batches: AtomicU64,
+    /// The last range a moved partition lost, for the exit status.
+    last_gap: Mutex<Option<ClientError>>,
     output_error: Mutex<Option<io::Error>>,
     /// Wakes the command when the callback can't write any more.
     stop: Notify,
@@ -55,7 +65,8 @@ pub async fn run(client: &StreamsClient, input: WatchInput) -> anyhow::Result<Wa
         })
         .end(if input.until_end { End::Current } else { End::Open })
         .partitions(input.partitions)
-        .max_batch_records(input.max_batch_records);
+        .max_batch_records(input.max_batch_records)
+        .follow_moves(input.follow_timeout);
     let shared = Arc::new(Shared::default());
     let reported = shared.clone();
     let as_json = input.json;
@@ -78,10 +89,41 @@ pub async fn run(client: &StreamsClient, input: WatchInput) -> anyhow::Result<Wa
                 .fetch_add(missed_batches, Ordering::SeqCst);
             eprintln!("warning: watch fell behind; the server dropped {missed_batches} batches for it");
         }
+        Err(ClientError::LaggedOffsets {
+            partition,
+            first_offset,
+            last_offset,
+        }) => {
+            reported.lagged.store(true, Ordering::SeqCst);
+            *lock(&reported.last_gap) = Some(ClientError::LaggedOffsets {
+                partition,
+                first_offset,
+                last_offset,
+            });
+            // In the output, where the missing records would have been.
+            let written = if as_json {
+                out_json(&serde_json::json!({
+                    "lagged": {
+                        "partition": partition,
+                        "first_offset": first_offset,
+                        "last_offset": last_offset,
+                    }
+                }))
+            } else {
+                out(&format!(
+                    "lagged partition={partition} offsets={first_offset}..={last_offset} \
+                     (moved; the new owner no longer holds these outcomes)\n"
+                ))
+            };
+            if let Err(error) = written {
+                *lock(&reported.output_error) = Some(error);
+                reported.stop.notify_one();
+            }
+        }
         Err(error) => *lock(&reported.error) = Some(error),
     };
 
-    let handle = client.get_metadata_async(&input.store, options, callback);
+    let handle = client.get_metadata_async_all(&input.store, options, callback);
     let cancel = handle.cancel_handle();
     let join = handle.join();
     tokio::pin!(join);
@@ -115,6 +157,11 @@ pub async fn run(client: &StreamsClient, input: WatchInput) -> anyhow::Result<Wa
     if shared.lagged.load(Ordering::SeqCst) {
         // The output is incomplete: say so in the exit code.
         let missed_batches = shared.missed_batches.load(Ordering::SeqCst);
+        if missed_batches == 0
+            && let Some(gap) = lock(&shared.last_gap).take()
+        {
+            return Err(gap.into());
+        }
         return Err(ClientError::Lagged { missed_batches }.into());
     }
     Ok(WatchEnd::Completed)
