@@ -85,7 +85,22 @@ pub struct Broker {
     pub pid: u32,
     /// The run directory: `server.properties`, `broker.log`, the data.
     pub dir: PathBuf,
+    classpath: String,
     child: Mutex<Child>,
+}
+
+/// The broker's JVM for the run directory `dir`.
+fn broker_command(dir: &Path, classpath: &str) -> Command {
+    let mut java = Command::new("java");
+    java.args(JVM_OPTIONS)
+        .arg(format!(
+            "-Dlog4j2.configurationFile={}",
+            dir.join("log4j2.properties").display()
+        ))
+        .arg(format!("-Dkafka.logs.dir={}", dir.join("logs").display()))
+        .args(["-cp", classpath, "kafka.Kafka"])
+        .arg(dir.join("server.properties"));
+    java
 }
 
 impl Broker {
@@ -104,6 +119,36 @@ impl Broker {
         let _ = child.kill();
         let _ = child.wait();
         let _ = fs::remove_dir_all(&self.dir);
+    }
+
+    /// Kills the broker (SIGKILL: no clean shutdown) and starts it again on
+    /// the same ports and data; answers once it answers again, with how long
+    /// it was gone. The ports stay free meanwhile only by luck of the
+    /// kernel's ephemeral range, so a failed bind is reported, not retried.
+    #[allow(dead_code)]
+    pub fn restart(&self) -> Result<Duration, String> {
+        let stopped = Instant::now();
+        let mut child = self.child.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = child.kill();
+        let _ = child.wait();
+        *child = spawn_tied_to_this_process(broker_command(&self.dir, &self.classpath), &self.dir.join("broker.log"))?;
+        let address: SocketAddr = self
+            .bootstrap
+            .parse()
+            .map_err(|e| format!("the broker's address {}: {e}", self.bootstrap))?;
+        while !answers_api_versions(address) {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(format!(
+                    "the restarted broker exited ({status}); its log ends with:\n{}",
+                    log_tail(&self.dir.join("broker.log"))
+                ));
+            }
+            if stopped.elapsed() > START_DEADLINE {
+                return Err(format!("the restarted broker did not answer within {START_DEADLINE:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok(stopped.elapsed())
     }
 
     /// Panics (with the end of the broker's log) if the broker has exited.
@@ -228,17 +273,8 @@ pub fn launch() -> Result<Broker, String> {
         let formatting = Instant::now();
         format_storage(&dir, &classpath)?;
         let formatted_in = formatting.elapsed();
-        let mut java = Command::new("java");
-        java.args(JVM_OPTIONS)
-            .arg(format!(
-                "-Dlog4j2.configurationFile={}",
-                dir.join("log4j2.properties").display()
-            ))
-            .arg(format!("-Dkafka.logs.dir={}", dir.join("logs").display()))
-            .args(["-cp", &classpath, "kafka.Kafka"])
-            .arg(dir.join("server.properties"));
         let launched = Instant::now();
-        let child = spawn_tied_to_this_process(java, &dir.join("broker.log"))?;
+        let child = spawn_tied_to_this_process(broker_command(&dir, &classpath), &dir.join("broker.log"))?;
         let pid = child.id();
         let broker = Broker {
             bootstrap: format!("127.0.0.1:{broker_port}"),
@@ -246,6 +282,7 @@ pub fn launch() -> Result<Broker, String> {
             started_in: Duration::ZERO,
             pid,
             dir: dir.clone(),
+            classpath: classpath.clone(),
             child: Mutex::new(child),
         };
         let address = SocketAddr::from(([127, 0, 0, 1], broker_port));

@@ -198,11 +198,26 @@ pub fn cli_binary() -> &'static Path {
     BINARY.get_or_init(|| workspace_binary("taskstream-client", "taskstream"))
 }
 
+/// The example `name` of the root package (`examples/<name>/main.rs`),
+/// built as [`workspace_binary`] builds a binary.
+#[allow(dead_code)]
+pub fn example_binary(name: &str) -> PathBuf {
+    build_next_to_tests("taskstream", &["--example", name], &format!("examples/{name}"))
+}
+
 #[allow(dead_code)]
 /// A binary of this checkout, built next to the test executable: the root
 /// package's tests do not build other packages' binaries, and a binary left
 /// from an earlier build may be stale, so cargo is asked (a no-op when fresh).
 fn workspace_binary(package: &str, bin: &str) -> PathBuf {
+    build_next_to_tests(package, &["--bin", bin], bin)
+}
+
+/// Builds `what` (cargo's selection, e.g. `--bin NAME`) of `package` into
+/// this test executable's target and profile; answers `<profile>/<path>`.
+#[allow(dead_code)]
+fn build_next_to_tests(package: &str, what: &[&str], path: &str) -> PathBuf {
+    let bin = path;
     // <target>/<profile>/deps/<test>-HASH
     let exe = std::env::current_exe().expect("the test executable's path");
     let profile_dir = exe
@@ -214,7 +229,8 @@ fn workspace_binary(package: &str, bin: &str) -> PathBuf {
     let mut build = Command::new(cargo);
     build
         .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args(["build", "--quiet", "-p", package, "--bin", bin])
+        .args(["build", "--quiet", "-p", package])
+        .args(what)
         .arg("--target-dir")
         .arg(target_dir);
     match profile_dir.file_name().and_then(|name| name.to_str()) {
