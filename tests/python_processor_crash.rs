@@ -25,7 +25,16 @@ use taskstream_server::*;
 const WAIT: Duration = Duration::from_secs(120);
 const POISON: &str = "poison";
 
+/// The runtime's log lines on the test's output, as `RUST_LOG` asks (none by default).
+fn log_lines() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
 fn stubs() -> TempDir {
+    log_lines();
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let stubs = temp_dir("python-crash-stubs");
     let generated = Command::new(&tools().python)

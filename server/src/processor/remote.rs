@@ -542,7 +542,7 @@ impl RemoteProcessor {
                 .after_attempts(crashes);
                 return Ok(vec![Err(failure)]);
             }
-            Verdict::Down => tracing::debug!(
+            Verdict::Down => tracing::warn!(
                 %pipeline,
                 "processor call of {n} records ({partition}/{first}..={last}) failed at the transport ({error}) with no call answered since they last failed: the processor is down; nothing counts, the pipeline waits"
             ),
