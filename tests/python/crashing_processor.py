@@ -1,9 +1,9 @@
 """A ProcessorService for the crash tests (tests/python_processor_crash.rs):
 counts records per key through state operations, like the example, and
 exits at once (os._exit, no answer, no cleanup: a crash) when a call holds a
-record whose key is the poison key given on the command line.
+record whose value is the poison value given on the command line.
 
-    crashing_processor.py ADDRESS POISON_KEY
+    crashing_processor.py ADDRESS POISON_VALUE
 """
 
 import os
@@ -20,7 +20,7 @@ class Counter(processor_pb2_grpc.ProcessorServiceServicer):
         self.poison = poison
 
     def Process(self, request, context):
-        if any(r.HasField("key") and r.key == self.poison for r in request.records):
+        if any(r.value == self.poison for r in request.records):
             os._exit(3)
         counts = {s.key: int(s.value) if s.HasField("value") else 0 for s in request.state}
         results = []
