@@ -12,7 +12,6 @@
 mod common;
 
 use common::temp_dir;
-use taskstream_server::scratch::TempDir;
 use common::tools::tools;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -21,6 +20,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use taskstream_server::scratch::TempDir;
 use taskstream_server::*;
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -102,7 +102,8 @@ impl Supervisor {
         let deaths = Arc::new(Mutex::new(Vec::new()));
         let restarts = Arc::new(AtomicUsize::new(0));
         let thread = {
-            let (stop, child, deaths, restarts) = (stop.clone(), child.clone(), deaths.clone(), restarts.clone());
+            let (stop, child, deaths, restarts) =
+                (stop.clone(), child.clone(), deaths.clone(), restarts.clone());
             std::thread::spawn(move || {
                 while !stop.load(Ordering::SeqCst) {
                     std::thread::sleep(Duration::from_millis(5));

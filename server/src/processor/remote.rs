@@ -15,8 +15,8 @@ mod callers;
 use super::ProcessError;
 use crate::config::GrpcProcessorSpec;
 use crate::log::{ProducerRecord, Record};
-use bytes::Bytes;
 use bisect::{Begin, Bisect, Verdict};
+use bytes::Bytes;
 use callers::Callers;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -219,6 +219,9 @@ enum CallEnd {
     TimedOut,
     /// It failed at the transport.
     Transport,
+    /// No connection could be made: the processor never saw the call, so it
+    /// says nothing about its records (the processor is down).
+    NeverSent,
 }
 
 impl RemoteProcessor {
@@ -362,6 +365,7 @@ impl RemoteProcessor {
                     None => CallEnd::TimedOut,
                     Some(Ok(_)) => CallEnd::Answered,
                     Some(Err(status)) if classify(status, timeout).is_some() => CallEnd::Answered,
+                    Some(Err(status)) if never_connected(status) => CallEnd::NeverSent,
                     Some(Err(_)) => CallEnd::Transport,
                 };
                 let result = self.result_of(call, answer);
@@ -375,7 +379,10 @@ impl RemoteProcessor {
     /// one at a time (waiting up to `MAX_WAIT_IN_CALL` for another to end),
     /// after an empty probe call when nothing was answered since its records
     /// failed. Answers the calls, the chain's ticket and the suspect call.
-    fn fit<'a>(&self, calls: &[Call<'a>]) -> Result<(Vec<Call<'a>>, u64, Option<SuspectCall<'_>>), Unreachable> {
+    fn fit<'a>(
+        &self,
+        calls: &[Call<'a>],
+    ) -> Result<(Vec<Call<'a>>, u64, Option<SuspectCall<'_>>), Unreachable> {
         let deadline = Instant::now() + MAX_WAIT_IN_CALL;
         let mut bisect = self.bisect();
         let (fitted, ticket, probe, suspect) = loop {
@@ -387,7 +394,11 @@ impl RemoteProcessor {
                 let n = bisect.cut(call.partition, &offsets).min(offsets.len());
                 if k == 0 {
                     begin = bisect.begin(call.partition, &offsets[..n]);
-                } else if n < offsets.len() || offsets.first().is_some_and(|&o| bisect.is_suspect(call.partition, o)) {
+                } else if n < offsets.len()
+                    || offsets
+                        .first()
+                        .is_some_and(|&o| bisect.is_suspect(call.partition, o))
+                {
                     // A later call holding suspects waits for its turn.
                     break;
                 }
@@ -425,7 +436,8 @@ impl RemoteProcessor {
         };
         drop(bisect);
         // From here on the suspect call ends whatever happens (a failed probe too).
-        let suspect_call = suspect.then_some(SuspectCall(self));
+        // Lazily: a guard made and dropped here would end another's suspect call.
+        let suspect_call = suspect.then(|| SuspectCall(self));
         if probe && let Some(first) = fitted.first() {
             self.probe(first, ticket)?;
         }
@@ -484,7 +496,11 @@ impl RemoteProcessor {
             (CallEnd::Transport, Err(unreachable)) => unreachable.message.clone(),
             (CallEnd::Answered | CallEnd::TimedOut, _) => {
                 if self.suspecting.load(Ordering::Acquire) {
-                    let ticket = if matches!(end, CallEnd::Answered) { ticket } else { 0 };
+                    let ticket = if matches!(end, CallEnd::Answered) {
+                        ticket
+                    } else {
+                        0
+                    };
                     let mut bisect = self.bisect();
                     let cleared = bisect.answered(ticket, call.partition, &offsets());
                     self.suspecting.store(bisect.has_suspects(), Ordering::Release);
@@ -501,7 +517,7 @@ impl RemoteProcessor {
                 }
                 return result;
             }
-            (CallEnd::Transport, Ok(_)) => return result,
+            (CallEnd::Transport, Ok(_)) | (CallEnd::NeverSent, _) => return result,
         };
         let offsets = offsets();
         let (Some(&first), Some(&last)) = (offsets.first(), offsets.last()) else {
@@ -748,6 +764,21 @@ fn classify(status: &tonic::Status, timeout: Option<Duration>) -> Option<Process
             format!("the processor answered {code:?}: {}", status.message()),
         )),
     }
+}
+
+/// Whether a call failed because no connection could be made (refused):
+/// then no byte of it reached the processor.
+fn never_connected(status: &tonic::Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(cause) = source {
+        if let Some(io) = cause.downcast_ref::<std::io::Error>()
+            && io.kind() == std::io::ErrorKind::ConnectionRefused
+        {
+            return true;
+        }
+        source = cause.source();
+    }
+    false
 }
 
 fn describe_status(status: &tonic::Status) -> String {

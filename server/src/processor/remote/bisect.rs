@@ -131,7 +131,11 @@ impl Bisect {
             Some(s) => offsets
                 .iter()
                 .take(s.cap)
-                .take_while(|&&o| self.suspects.get(&(partition, o)).is_some_and(|t| t.group == s.group))
+                .take_while(|&&o| {
+                    self.suspects
+                        .get(&(partition, o))
+                        .is_some_and(|t| t.group == s.group)
+                })
                 .count(),
             None => offsets
                 .iter()
