@@ -517,7 +517,15 @@ impl RemoteProcessor {
                 }
                 return result;
             }
-            (CallEnd::Transport, Ok(_)) | (CallEnd::NeverSent, _) => return result,
+            (CallEnd::NeverSent, _) => {
+                tracing::debug!(
+                    pipeline = %self.pipeline,
+                    partition = call.partition,
+                    "a call could not connect to the processor: it says nothing about its records; the pipeline waits"
+                );
+                return result;
+            }
+            (CallEnd::Transport, Ok(_)) => return result,
         };
         let offsets = offsets();
         let (Some(&first), Some(&last)) = (offsets.first(), offsets.last()) else {
@@ -767,13 +775,12 @@ fn classify(status: &tonic::Status, timeout: Option<Duration>) -> Option<Process
 }
 
 /// Whether a call failed because no connection could be made (refused):
-/// then no byte of it reached the processor.
+/// then no byte of it reached the processor. tonic's connector names it so
+/// (`tcp connect error`); its cause is not always an `io::Error` to match.
 fn never_connected(status: &tonic::Status) -> bool {
     let mut source = std::error::Error::source(status);
     while let Some(cause) = source {
-        if let Some(io) = cause.downcast_ref::<std::io::Error>()
-            && io.kind() == std::io::ErrorKind::ConnectionRefused
-        {
+        if cause.to_string().contains("tcp connect error") {
             return true;
         }
         source = cause.source();
