@@ -778,6 +778,10 @@ fn classify(status: &tonic::Status, timeout: Option<Duration>) -> Option<Process
 /// then no byte of it reached the processor. tonic's connector names it so
 /// (`tcp connect error`); its cause is not always an `io::Error` to match.
 fn never_connected(status: &tonic::Status) -> bool {
+    // A call cut by a crash ends `Unknown`; a refused connect `Unavailable`.
+    if status.code() != tonic::Code::Unavailable {
+        return false;
+    }
     let mut source = std::error::Error::source(status);
     while let Some(cause) = source {
         if cause.to_string().contains("tcp connect error") {
