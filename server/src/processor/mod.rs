@@ -87,6 +87,9 @@ pub struct ProcessError {
     pub kind: String,
     pub message: String,
     pub retryable: bool,
+    /// How many attempts this one failure stands for, when more than one: a
+    /// record dead-lettered for crashing its remote processor `n` times.
+    pub attempts: Option<u32>,
 }
 
 /// A store call that failed fails the record, with kind `StoreError`.
@@ -102,7 +105,15 @@ impl ProcessError {
             kind: kind.into(),
             message: message.into(),
             retryable: true,
+            attempts: None,
         }
+    }
+
+    /// The same failure, standing for `attempts` attempts made already.
+    #[must_use]
+    pub fn after_attempts(mut self, attempts: u32) -> Self {
+        self.attempts = Some(attempts);
+        self
     }
 
     /// The same failure, not worth retrying: the record is dead-lettered at once.

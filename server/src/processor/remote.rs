@@ -4,18 +4,23 @@
 //! translation of a call's answer into per-record results (checked: a
 //! malformed answer fails its records with a documented kind), and the
 //! processor's outage state: an unreachable processor fails no record, the
-//! caller gives its records back and later calls wait with backoff.
+//! caller gives its records back and later calls wait with backoff. A call
+//! that fails at the transport is bisected (`bisect`: the rule and its
+//! invariants), so a record that crashes the processor is found, counted and
+//! dead-lettered while the processor being down counts against none.
 
+mod bisect;
 mod callers;
 
 use super::ProcessError;
 use crate::config::GrpcProcessorSpec;
 use crate::log::{ProducerRecord, Record};
+use bisect::{Begin, Bisect, Verdict};
 use bytes::Bytes;
 use callers::Callers;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use taskstream::v1 as pb;
 use taskstream::v1::processor_service_client::ProcessorServiceClient;
@@ -39,6 +44,10 @@ pub mod kinds {
     pub const REMOTE_FAILURE: &str = "RemoteFailure";
     /// An output record the sink topic cannot take (a partition out of range).
     pub const INVALID_OUTPUT: &str = "InvalidOutput";
+    /// A call of this record alone failed at the transport (the processor
+    /// went away) `retry_max_attempts` times, each after other calls were
+    /// answered: the record crashes the processor. Not retried.
+    pub const PROCESSOR_CRASHED: &str = "ProcessorCrashed";
 }
 
 /// The first wait after a processor could not be reached, doubling up to the cap.
@@ -182,6 +191,37 @@ pub struct RemoteProcessor {
     in_outage: AtomicBool,
     /// Whether `outage` is `Some`, for those who follow it (gRPC health).
     waiting: tokio::sync::watch::Sender<bool>,
+    /// Records that were in calls failed at the transport.
+    bisect: Mutex<Bisect>,
+    /// `bisect.has_suspects()`, written under its lock: calls read it
+    /// without the lock, and only take it while there are suspects.
+    suspecting: AtomicBool,
+    /// Notified when the pipeline's suspect call ends (one at a time).
+    suspect_call_ended: Condvar,
+}
+
+/// The pipeline's one suspect call in flight; ends it when dropped.
+struct SuspectCall<'p>(&'p RemoteProcessor);
+
+impl Drop for SuspectCall<'_> {
+    fn drop(&mut self) {
+        self.0.bisect().end();
+        self.0.suspect_call_ended.notify_all();
+    }
+}
+
+/// How a call ended, for the bisection.
+#[derive(Clone, Copy)]
+enum CallEnd {
+    /// The processor answered (results or a status about the records).
+    Answered,
+    /// No answer within the deadline: no evidence either way.
+    TimedOut,
+    /// It failed at the transport.
+    Transport,
+    /// No connection could be made: the processor never saw the call, so it
+    /// says nothing about its records (the processor is down).
+    NeverSent,
 }
 
 impl RemoteProcessor {
@@ -204,7 +244,23 @@ impl RemoteProcessor {
             reachability: Mutex::new(Reachability::default()),
             in_outage: AtomicBool::new(false),
             waiting: tokio::sync::watch::Sender::new(false),
+            bisect: Mutex::new(Bisect::new(1)),
+            suspecting: AtomicBool::new(false),
+            suspect_call_ended: Condvar::new(),
         })
+    }
+
+    /// Crashes after which a record is dead-lettered (`retry_max_attempts`).
+    #[must_use]
+    pub fn with_crash_attempts(self, attempts: u32) -> RemoteProcessor {
+        RemoteProcessor {
+            bisect: Mutex::new(Bisect::new(attempts)),
+            ..self
+        }
+    }
+
+    fn bisect(&self) -> MutexGuard<'_, Bisect> {
+        self.bisect.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Follows whether the pipeline waits for its processor.
@@ -279,6 +335,20 @@ impl RemoteProcessor {
         let Some(timeout) = calls.first().map(|call| call.timeout) else {
             return Vec::new();
         };
+        // Only while some records are suspect: the common path takes no lock.
+        let fitted;
+        let (calls, ticket, _suspect_call) = if self.suspecting.load(Ordering::Acquire) {
+            match self.fit(calls) {
+                Ok((fit, ticket, suspect_call)) => {
+                    fitted = fit;
+                    (&fitted[..], ticket, suspect_call)
+                }
+                Err(unreachable) => return vec![Err(unreachable)],
+            }
+        } else {
+            // No suspect now: an answer is evidence for none that appears meanwhile.
+            (calls, 0, None)
+        };
         let requests = calls.iter().map(|call| self.request(call)).collect();
         // The calls run on the runtime, whose workers drive the connection
         // anyway, and this thread waits for the chain's end only: blocking on
@@ -290,8 +360,222 @@ impl RemoteProcessor {
         answers
             .into_iter()
             .zip(calls)
-            .map(|(answer, call)| self.result_of(call, answer))
+            .map(|(answer, call)| {
+                let end = match &answer {
+                    None => CallEnd::TimedOut,
+                    Some(Ok(_)) => CallEnd::Answered,
+                    Some(Err(status)) if classify(status, timeout).is_some() => CallEnd::Answered,
+                    Some(Err(status)) if never_connected(status) => CallEnd::NeverSent,
+                    Some(Err(_)) => CallEnd::Transport,
+                };
+                let result = self.result_of(call, answer);
+                self.bisect_after(call, ticket, end, result)
+            })
             .collect()
+    }
+
+    /// Fits a chain to the suspects: the first call cut to its half (or to
+    /// the records before the first suspect), a suspect call alone and only
+    /// one at a time (waiting up to `MAX_WAIT_IN_CALL` for another to end),
+    /// after an empty probe call when nothing was answered since its records
+    /// failed. Answers the calls, the chain's ticket and the suspect call.
+    fn fit<'a>(
+        &self,
+        calls: &[Call<'a>],
+    ) -> Result<(Vec<Call<'a>>, u64, Option<SuspectCall<'_>>), Unreachable> {
+        let deadline = Instant::now() + MAX_WAIT_IN_CALL;
+        let mut bisect = self.bisect();
+        let (fitted, ticket, probe, suspect) = loop {
+            let ticket = bisect.ticket();
+            let mut fitted = Vec::with_capacity(calls.len());
+            let mut begin = Begin::Plain;
+            for (k, call) in calls.iter().enumerate() {
+                let offsets: Vec<u64> = call.records.iter().map(|r| r.offset).collect();
+                let n = bisect.cut(call.partition, &offsets).min(offsets.len());
+                if k == 0 {
+                    begin = bisect.begin(call.partition, &offsets[..n]);
+                } else if n < offsets.len()
+                    || offsets
+                        .first()
+                        .is_some_and(|&o| bisect.is_suspect(call.partition, o))
+                {
+                    // A later call holding suspects waits for its turn.
+                    break;
+                }
+                fitted.push(Call {
+                    task_id: call.task_id,
+                    partition: call.partition,
+                    attempt: call.attempt,
+                    timeout: call.timeout,
+                    records: &call.records[..n],
+                    state: state_of_records(&call.state, &call.records[..n]),
+                });
+                if begin != Begin::Plain {
+                    break;
+                }
+            }
+            match begin {
+                Begin::Plain => break (fitted, ticket, false, false),
+                Begin::Suspect { probe } => break (fitted, ticket, probe, true),
+                Begin::Wait => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(Unreachable {
+                            endpoint: self.spec.endpoint.clone(),
+                            message: "waits while another call tries records that failed at the transport"
+                                .to_string(),
+                        });
+                    }
+                    bisect = self
+                        .suspect_call_ended
+                        .wait_timeout(bisect, deadline - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+            }
+        };
+        drop(bisect);
+        // From here on the suspect call ends whatever happens (a failed probe too).
+        // Lazily: a guard made and dropped here would end another's suspect call.
+        let suspect_call = suspect.then(|| SuspectCall(self));
+        if probe && let Some(first) = fitted.first() {
+            self.probe(first, ticket)?;
+        }
+        Ok((fitted, ticket, suspect_call))
+    }
+
+    /// An empty call, to learn whether the processor is up before a suspect
+    /// call could count against its records.
+    fn probe(&self, like: &Call<'_>, ticket: u64) -> Result<(), Unreachable> {
+        tracing::debug!(
+            pipeline = %self.pipeline,
+            partition = like.partition,
+            "probing the processor with an empty call before sending records that failed at the transport"
+        );
+        let request = self.request(&Call {
+            task_id: like.task_id,
+            partition: like.partition,
+            attempt: like.attempt,
+            timeout: like.timeout,
+            records: &[],
+            state: Vec::new(),
+        });
+        let answer = self
+            .callers
+            .call(self.runtime.handle(), vec![request], like.timeout, None)
+            .pop()
+            .flatten();
+        match answer {
+            Some(Ok(_)) => {}
+            Some(Err(status)) if classify(&status, like.timeout).is_some() => {}
+            Some(Err(status)) => return Err(self.unreachable(&status)),
+            None => {
+                return Err(self.unreachable(&tonic::Status::unavailable(
+                    "the probe was not answered within processing_timeout_ms",
+                )));
+            }
+        }
+        self.reached();
+        self.bisect().answered(ticket, like.partition, &[]);
+        Ok(())
+    }
+
+    /// The bisection's part in a call's end: an answer clears its records
+    /// (and is evidence that the processor is up), a transport failure is
+    /// judged (`bisect::Verdict`), logged, and for a record that crashed the
+    /// processor too often becomes its failure, `ProcessorCrashed`.
+    fn bisect_after(
+        &self,
+        call: &Call<'_>,
+        ticket: u64,
+        end: CallEnd,
+        result: Result<Vec<RecordResult>, Unreachable>,
+    ) -> Result<Vec<RecordResult>, Unreachable> {
+        let offsets = || call.records.iter().map(|r| r.offset).collect::<Vec<u64>>();
+        let error = match (end, &result) {
+            (CallEnd::Transport, Err(unreachable)) => unreachable.message.clone(),
+            (CallEnd::Answered | CallEnd::TimedOut, _) => {
+                if self.suspecting.load(Ordering::Acquire) {
+                    let ticket = if matches!(end, CallEnd::Answered) {
+                        ticket
+                    } else {
+                        0
+                    };
+                    let mut bisect = self.bisect();
+                    let cleared = bisect.answered(ticket, call.partition, &offsets());
+                    self.suspecting.store(bisect.has_suspects(), Ordering::Release);
+                    drop(bisect);
+                    if cleared > 0 {
+                        tracing::info!(
+                            pipeline = %self.pipeline,
+                            partition = call.partition,
+                            first_offset = call.records.first().map(|r| r.offset),
+                            records = cleared,
+                            "records that failed at the transport were answered when sent again; they are cleared"
+                        );
+                    }
+                }
+                return result;
+            }
+            (CallEnd::NeverSent, _) => {
+                tracing::debug!(
+                    pipeline = %self.pipeline,
+                    partition = call.partition,
+                    "a call could not connect to the processor: it says nothing about its records; the pipeline waits"
+                );
+                return result;
+            }
+            (CallEnd::Transport, Ok(_)) => return result,
+        };
+        let offsets = offsets();
+        let (Some(&first), Some(&last)) = (offsets.first(), offsets.last()) else {
+            return result;
+        };
+        let mut bisect = self.bisect();
+        let verdict = bisect.failed(call.partition, &offsets);
+        self.suspecting.store(bisect.has_suspects(), Ordering::Release);
+        drop(bisect);
+        let (pipeline, partition, n) = (&self.pipeline, call.partition, offsets.len());
+        match verdict {
+            Verdict::Split { first: a, second: b } => tracing::warn!(
+                %pipeline,
+                "processor call of {n} records ({partition}/{first}..={last}) failed at the transport ({error}); splitting into halves of {a} and {b}"
+            ),
+            Verdict::Suspect => tracing::warn!(
+                %pipeline,
+                "processor call of record {partition}/{first} failed at the transport ({error}); sent again alone, it counts as a crash if it fails after other calls succeed"
+            ),
+            Verdict::Crashed { crashes } => tracing::warn!(
+                %pipeline,
+                "record {partition}/{first} crashed the processor {crashes} times while other calls succeeded ({error}); it waits and is sent again, dead-lettered after {}",
+                self.bisect().max_attempts()
+            ),
+            Verdict::DeadLetter { crashes } => {
+                tracing::error!(
+                    %pipeline,
+                    "record {partition}/{first} crashed the processor {crashes} times while other calls succeeded ({error}); dead-lettering as {}",
+                    kinds::PROCESSOR_CRASHED
+                );
+                let failure = ProcessError::new(
+                    kinds::PROCESSOR_CRASHED,
+                    format!(
+                        "a call of this record alone failed at the transport {crashes} times, each after other calls succeeded: {error}"
+                    ),
+                )
+                .permanent()
+                .after_attempts(crashes);
+                return Ok(vec![Err(failure)]);
+            }
+            Verdict::Down => tracing::warn!(
+                %pipeline,
+                "processor call of {n} records ({partition}/{first}..={last}) failed at the transport ({error}) with no call answered since they last failed: the processor is down; nothing counts, the pipeline waits"
+            ),
+            Verdict::Untracked => tracing::warn!(
+                %pipeline,
+                "processor call of {n} records ({partition}/{first}..={last}) failed at the transport ({error}); too many records are suspect already to split it: the pipeline waits"
+            ),
+        }
+        result
     }
 
     fn result_of(&self, call: &Call<'_>, answer: callers::Answer) -> Result<Vec<RecordResult>, Unreachable> {
@@ -445,6 +729,16 @@ impl RemoteProcessor {
     }
 }
 
+/// The entries of `state` for the keys of `records` (a call cut shorter
+/// carries only its own records' state).
+fn state_of_records(state: &[(Bytes, Option<Bytes>)], records: &[&Record]) -> Vec<(Bytes, Option<Bytes>)> {
+    state
+        .iter()
+        .filter(|(key, _)| records.iter().any(|r| r.key.as_ref() == Some(key)))
+        .cloned()
+        .collect()
+}
+
 fn timed_out(timeout: Option<Duration>) -> ProcessError {
     ProcessError::new(
         kinds::TIMEOUT,
@@ -478,6 +772,24 @@ fn classify(status: &tonic::Status, timeout: Option<Duration>) -> Option<Process
             format!("the processor answered {code:?}: {}", status.message()),
         )),
     }
+}
+
+/// Whether a call failed because no connection could be made (refused):
+/// then no byte of it reached the processor. tonic's connector names it so
+/// (`tcp connect error`); its cause is not always an `io::Error` to match.
+fn never_connected(status: &tonic::Status) -> bool {
+    // A call cut by a crash ends `Unknown`; a refused connect `Unavailable`.
+    if status.code() != tonic::Code::Unavailable {
+        return false;
+    }
+    let mut source = std::error::Error::source(status);
+    while let Some(cause) = source {
+        if cause.to_string().contains("tcp connect error") {
+            return true;
+        }
+        source = cause.source();
+    }
+    false
 }
 
 fn describe_status(status: &tonic::Status) -> String {

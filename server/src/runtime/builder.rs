@@ -255,7 +255,8 @@ fn layout_pipelines(
                 }
             };
             let remote = RemoteProcessor::new(spec.clone(), &pipeline.name, &pipeline.source_topic, runtime)
-                .map_err(|m| ConfigError::new(format!("pipelines[{index}].processor.endpoint"), m))?;
+                .map_err(|m| ConfigError::new(format!("pipelines[{index}].processor.endpoint"), m))?
+                .with_crash_attempts(config.retry_max_attempts);
             pipelines.push(layout_pipeline(
                 config,
                 log,

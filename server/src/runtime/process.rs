@@ -427,7 +427,7 @@ fn failure(error: ProcessError) -> Failure {
     Failure {
         kind: error.kind,
         message: error.message,
-        attempts: 1,
+        attempts: error.attempts.unwrap_or(1),
         first_failure_ms: now,
         last_failure_ms: now,
     }
@@ -822,7 +822,8 @@ pub(crate) fn run_retries(shared: &Shared, context: &UnitContext, items: &mut Ve
             }
             Err(error) => {
                 let now = now_ms();
-                item.failure.attempts = number;
+                // A record that crashed the processor stands for its crashes.
+                item.failure.attempts = error.attempts.map_or(number, |n| n.max(number));
                 item.failure.kind = error.kind;
                 item.failure.message = error.message;
                 item.failure.last_failure_ms = now;
