@@ -131,7 +131,10 @@ impl Broker {
         let mut child = self.child.lock().unwrap_or_else(|e| e.into_inner());
         let _ = child.kill();
         let _ = child.wait();
-        *child = spawn_tied_to_this_process(broker_command(&self.dir, &self.classpath), &self.dir.join("broker.log"))?;
+        *child = spawn_tied_to_this_process(
+            broker_command(&self.dir, &self.classpath),
+            &self.dir.join("broker.log"),
+        )?;
         let address: SocketAddr = self
             .bootstrap
             .parse()
@@ -144,7 +147,9 @@ impl Broker {
                 ));
             }
             if stopped.elapsed() > START_DEADLINE {
-                return Err(format!("the restarted broker did not answer within {START_DEADLINE:?}"));
+                return Err(format!(
+                    "the restarted broker did not answer within {START_DEADLINE:?}"
+                ));
             }
             std::thread::sleep(Duration::from_millis(100));
         }

@@ -220,9 +220,25 @@ struct TaskTransaction {
     /// (librdkafka then refuses to commit it: the broker aborted it on its
     /// timeout, or a record was not delivered); cleared when it is aborted.
     doomed: Mutex<Option<String>>,
+    /// When the open transaction began (or the last one committed).
+    opened: Mutex<Instant>,
+    /// The producer's `transaction.timeout.ms`.
+    timeout: Duration,
 }
 
 impl TaskTransaction {
+    fn opened_now(&self) {
+        *self.opened.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+    }
+
+    /// Whether a fence of this producer is the broker's abort of a
+    /// transaction open past its timeout (the broker bumps the epoch then,
+    /// as a new owner's producer would): the task is still this member's,
+    /// and is revived with a new producer. A fence sooner is a new owner's.
+    fn fenced_for_good(&self) -> bool {
+        self.is_fatal() && self.opened.lock().unwrap_or_else(|e| e.into_inner()).elapsed() < self.timeout
+    }
+
     /// The failed append `error` dooms the open transaction: answered as
     /// `LogError::TransactionAborted`, fenced if the producer is fatal.
     fn doom(&self, error: LogError) -> LogError {
@@ -235,7 +251,7 @@ impl TaskTransaction {
         LogError::TransactionAborted {
             transaction: self.id.clone(),
             reason,
-            fenced: self.is_fatal(),
+            fenced: self.fenced_for_good(),
         }
     }
 
@@ -1627,6 +1643,8 @@ impl KafkaLog {
             producer,
             gate: RwLock::new(()),
             doomed: Mutex::new(None),
+            opened: Mutex::new(Instant::now()),
+            timeout: self.transaction_timeout(),
         });
         let mut transactions = self.transactions.write().unwrap_or_else(|e| e.into_inner());
         for key in partitions {
@@ -1719,14 +1737,16 @@ impl KafkaLog {
         let alone = transaction.gate.write().unwrap_or_else(|e| e.into_inner());
         let producer = &transaction.producer;
         if let Some(reason) = transaction.doomed() {
-            let fenced = transaction.is_fatal()
+            let fenced = transaction.fenced_for_good();
+            let gone = transaction.is_fatal()
                 || producer
                     .abort_transaction(REQUEST_TIMEOUT)
                     .and_then(|()| producer.begin_transaction())
                     .is_err();
             *transaction.doomed.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            transaction.opened_now();
             drop(alone);
-            if fenced {
+            if gone {
                 self.forget_transaction(transactional_id);
             }
             return Err(LogError::TransactionAborted {
@@ -1750,19 +1770,25 @@ impl KafkaLog {
             .send_offsets_to_transaction(&list, &metadata, REQUEST_TIMEOUT)
             .and_then(|()| producer.commit_transaction(REQUEST_TIMEOUT));
         let Err(error) = committed else {
+            transaction.opened_now();
             return producer
                 .begin_transaction()
                 .map_err(unavailable("begin transaction"));
         };
         // Its writes are gone either way; what is left to decide is whether
-        // this producer may go on (abortable) or was fenced for good.
-        let fenced = is_fenced(&error)
+        // this producer may go on (abortable) or was fenced: for good (a new
+        // owner) or by the broker's timeout (see `fenced_for_good`).
+        let fatal = transaction.is_fatal();
+        let fenced = (is_fenced(&error) && !fatal) || transaction.fenced_for_good();
+        let gone = fatal
+            || is_fenced(&error)
             || producer
                 .abort_transaction(REQUEST_TIMEOUT)
                 .and_then(|()| producer.begin_transaction())
                 .is_err();
+        transaction.opened_now();
         drop(alone);
-        if fenced {
+        if gone {
             self.forget_transaction(transactional_id);
         }
         Err(LogError::TransactionAborted {
@@ -1804,6 +1830,7 @@ impl KafkaLog {
         // Aborting with no open transaction fails; beginning then decides.
         let _ = producer.abort_transaction(REQUEST_TIMEOUT);
         *transaction.doomed.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        transaction.opened_now();
         !transaction.is_fatal() && producer.begin_transaction().is_ok()
     }
 
@@ -1824,6 +1851,26 @@ impl KafkaLog {
                 .consumer
                 .assignment()
                 .is_ok_and(|tpl| tpl.find_partition(topic, partition as i32).is_some())
+    }
+
+    /// The partitions of `topic` the group assigns to this member now
+    /// (none while the assignment is lost).
+    pub fn assigned(&self, topic: &str) -> Vec<u32> {
+        let Some(group) = self.group.read().unwrap_or_else(|e| e.into_inner()).clone() else {
+            return Vec::new();
+        };
+        if group.consumer.assignment_lost() {
+            return Vec::new();
+        }
+        group.consumer.assignment().map_or_else(
+            |_| Vec::new(),
+            |list| {
+                list.elements_for_topic(topic)
+                    .iter()
+                    .filter_map(|element| u32::try_from(element.partition()).ok())
+                    .collect()
+            },
+        )
     }
 
     /// Appends `records` (keyed or not, any partition: a sink topic's) inside
@@ -1853,7 +1900,18 @@ impl KafkaLog {
     /// whether its producer is fenced for good.
     pub fn transaction_doomed(&self, transactional_id: &str) -> Option<bool> {
         let transaction = self.transaction(transactional_id).ok()?;
-        transaction.doomed().map(|_| transaction.is_fatal())
+        transaction.doomed().map(|_| transaction.fenced_for_good())
+    }
+
+    /// `transaction.timeout.ms` of the transactional producers (librdkafka's
+    /// default: 60 s).
+    fn transaction_timeout(&self) -> Duration {
+        let ms = self
+            .client_settings
+            .get("transaction.timeout.ms")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(60_000);
+        Duration::from_millis(ms)
     }
 
     /// The transaction of `transactional_id`.

@@ -162,7 +162,7 @@ fn add_tasks(shared: &Shared, p: usize, store: &str, partitions: &[u32]) {
             Err(e) => {
                 tracing::error!(
                     store, partitions = ?missing, error = %e,
-                    "cannot add the tasks of assigned partitions; those missing wait for the next rebalance"
+                    "cannot add the tasks of assigned partitions yet; the watchdog tries again while the group assigns them here"
                 );
                 return;
             }

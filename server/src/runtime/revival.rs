@@ -11,22 +11,38 @@
 //! Invariants: a corrupted task never writes its last commit; it is revived
 //! only while the group assigns its partition to this member (else it moved,
 //! and its new owner resumes it) and no incarnation of it is here. A task
-//! whose producer was fenced is revived with a new producer only when the
-//! group still assigns its partition here once `FENCED_SETTLE` has passed:
-//! the broker fences a producer whose transaction it aborted on
-//! `transaction.timeout.ms` just as it fences one replaced by a new owner,
-//! and a member that lost the partition (a zombie back from a pause) learns
-//! it within that time. Were it not to, the group would still refuse its
-//! offsets, so none of its transactions could commit.
+//! whose producer a new owner fenced is that owner's: closed, not revived
+//! (a revival would fence the owner back, and the two would take turns).
+//! The broker fences a producer whose transaction it aborted past
+//! `transaction.timeout.ms` too; such a fence counts as an abort (see
+//! `KafkaLog::transaction_doomed`), and the task is revived with a new
+//! producer.
 
 use super::app::{Detached, close_when_idle};
 use super::recovery;
 use super::shared::Shared;
 use std::time::{Duration, Instant};
 
-/// How long a fenced task waits before its partition's assignment decides
-/// whether it is revived here (see the module doc): a few heartbeats.
-const FENCED_SETTLE: Duration = Duration::from_secs(3);
+/// How long a partition whose task was fenced here is not adopted (see
+/// `adopt_assigned`), though the group may still say it is this member's:
+/// long enough for the member to learn it lost it.
+const FENCED_QUARANTINE: Duration = Duration::from_secs(30);
+
+/// Transactional ids of tasks closed here because a new owner fenced them,
+/// with when: a static, not a field of the app, since it only ever keeps
+/// ids of this process's apps for `FENCED_QUARANTINE`.
+fn fenced_recently() -> &'static std::sync::Mutex<std::collections::HashMap<String, Instant>> {
+    static FENCED: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<String, Instant>>> =
+        std::sync::OnceLock::new();
+    FENCED.get_or_init(Default::default)
+}
+
+/// Whether the task `id` was fenced here within `FENCED_QUARANTINE`.
+fn in_quarantine(shared: &Shared, id: &str) -> bool {
+    let mut fenced = fenced_recently().lock().unwrap_or_else(|e| e.into_inner());
+    fenced.retain(|_, at| at.elapsed() < FENCED_QUARANTINE);
+    fenced.contains_key(&shared.transactional_id(id))
+}
 
 /// How long a revival keeps trying to plan a task (the broker not
 /// answering) before it leaves the partition to the next rebalance.
@@ -41,7 +57,6 @@ pub(crate) fn revive_corrupted(shared: &Shared) {
     if shared.lock().corrupted().is_empty() {
         return;
     }
-    let mut fenced = Vec::new();
     {
         let _membership = shared.membership.lock().unwrap_or_else(|e| e.into_inner());
         let corrupted = shared.lock().corrupted();
@@ -67,20 +82,90 @@ pub(crate) fn revive_corrupted(shared: &Shared) {
         });
         for (pipeline, partition, fetched_end, was_fenced) in closed {
             if was_fenced {
-                fenced.push((pipeline, partition, fetched_end));
+                let id = super::task::task_id(&shared.pipelines[pipeline].name, partition);
+                fenced_recently()
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(shared.transactional_id(&id), Instant::now());
+                tracing::warn!(
+                    task = %id,
+                    "the task's producer was fenced: another instance owns the task now; not revived here"
+                );
             } else {
-                revive_if_assigned(shared, pipeline, partition, fetched_end, false);
+                revive_if_assigned(shared, pipeline, partition, fetched_end);
             }
         }
         republish(shared);
     }
-    if fenced.is_empty() {
+}
+
+/// Adds the tasks of partitions the group assigns here that have none: their
+/// adding failed in the rebalance (the broker not answering for longer than
+/// it tried), and nothing else would process them before the next rebalance.
+/// Skipped during a rebalance: between a revocation's removal of its tasks
+/// and its unassigning them, the partitions are assigned and without tasks.
+pub(crate) fn adopt_assigned(shared: &Shared) {
+    let Some(kafka) = shared.log.as_kafka() else {
+        return;
+    };
+    if shared.is_rebalancing() {
         return;
     }
-    std::thread::sleep(FENCED_SETTLE);
-    let _membership = shared.membership.lock().unwrap_or_else(|e| e.into_inner());
-    for (pipeline, partition, fetched_end) in fenced {
-        revive_if_assigned(shared, pipeline, partition, fetched_end, true);
+    let orphans: Vec<(usize, Vec<u32>)> = {
+        let scheduler = shared.lock();
+        shared
+            .pipelines
+            .iter()
+            .enumerate()
+            .map(|(p, pipeline)| {
+                let missing = kafka
+                    .assigned(&pipeline.topic)
+                    .into_iter()
+                    .filter(|&partition| scheduler.task_index(p, partition).is_none())
+                    .collect::<Vec<u32>>();
+                (p, missing)
+            })
+            .filter(|(_, missing)| !missing.is_empty())
+            .collect()
+    };
+    if orphans.is_empty() || shared.app_state() != crate::metadata::AppState::Running {
+        return;
+    }
+    for (p, partitions) in orphans {
+        let pipeline = &shared.pipelines[p];
+        // Looked at again: a rebalance may have begun, or added them.
+        if shared.is_rebalancing() {
+            return;
+        }
+        let missing: Vec<u32> = {
+            let scheduler = shared.lock();
+            partitions
+                .into_iter()
+                .filter(|&partition| {
+                    scheduler.task_index(p, partition).is_none()
+                        && kafka.holds(&pipeline.topic, partition)
+                        && !in_quarantine(shared, &super::task::task_id(&pipeline.name, partition))
+                })
+                .collect()
+        };
+        if missing.is_empty() {
+            continue;
+        }
+        match super::app::add_tasks(
+            shared,
+            &pipeline.name,
+            &missing,
+            &std::collections::BTreeMap::new(),
+        ) {
+            Ok(()) => tracing::info!(
+                store = %pipeline.name, partitions = ?missing,
+                "added the tasks of assigned partitions whose adding had failed in the rebalance"
+            ),
+            Err(e) => tracing::warn!(
+                store = %pipeline.name, partitions = ?missing, error = %e,
+                "adding the tasks of assigned partitions failed again; trying at the next watchdog tick"
+            ),
+        }
     }
     republish(shared);
 }
@@ -97,7 +182,7 @@ fn republish(shared: &Shared) {
 /// Revives a closed task if the group still assigns its partition here and
 /// no incarnation of it is here already (a rebalance may have added one).
 /// Called under the membership lock.
-fn revive_if_assigned(shared: &Shared, pipeline: usize, partition: u32, fetched_end: u64, fenced: bool) {
+fn revive_if_assigned(shared: &Shared, pipeline: usize, partition: u32, fetched_end: u64) {
     let p = &shared.pipelines[pipeline];
     let id = super::task::task_id(&p.name, partition);
     let held = shared
@@ -106,20 +191,13 @@ fn revive_if_assigned(shared: &Shared, pipeline: usize, partition: u32, fetched_
         .is_some_and(|kafka| kafka.holds(&p.topic, partition));
     if !held {
         tracing::warn!(
-            task = %id, fenced,
+            task = %id,
             "the group no longer assigns the task's partition here: not revived (its new owner resumes it)"
         );
         return;
     }
     if shared.lock().task_index(pipeline, partition).is_some() {
         return;
-    }
-    if fenced {
-        tracing::warn!(
-            task = %id,
-            "the task's producer was fenced while the group still assigns its partition here \
-             (the broker aborted its transaction past transaction.timeout.ms): revived with a new producer"
-        );
     }
     revive(shared, pipeline, partition, fetched_end, &id);
 }

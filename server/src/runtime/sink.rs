@@ -11,6 +11,7 @@
 use super::shared::Shared;
 use crate::log::ProducerRecord;
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Outputs of records completed above the watermark, held by source offset
@@ -58,6 +59,10 @@ pub(crate) struct SinkQueue {
     queue: Mutex<VecDeque<ProducerRecord>>,
     /// Held while appending, so two threads never append out of queue order.
     appending: Mutex<()>,
+    /// The task's transaction aborted (see `revival`): what is queued, or
+    /// released later by units still finishing, belongs to it and must not
+    /// reach the transaction the revived task opens under the same id.
+    discarded: AtomicBool,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -71,11 +76,22 @@ impl SinkQueue {
             transaction,
             queue: Mutex::new(VecDeque::new()),
             appending: Mutex::new(()),
+            discarded: AtomicBool::new(false),
         }
     }
 
     pub(crate) fn push(&self, outputs: impl IntoIterator<Item = ProducerRecord>) {
+        if self.discarded.load(Ordering::Acquire) {
+            return;
+        }
         lock(&self.queue).extend(outputs);
+    }
+
+    /// The task's transaction aborted: drops what is queued, and everything
+    /// pushed from now on.
+    pub(crate) fn discard(&self) {
+        self.discarded.store(true, Ordering::Release);
+        lock(&self.queue).clear();
     }
 
     #[cfg(test)]
@@ -90,6 +106,10 @@ impl SinkQueue {
     /// that needs them fails instead of losing them.
     pub(crate) fn drain(&self, shared: &Shared) -> Result<(), String> {
         let _appending = lock(&self.appending);
+        if self.discarded.load(Ordering::Acquire) {
+            lock(&self.queue).clear();
+            return Ok(());
+        }
         let records: Vec<ProducerRecord> = lock(&self.queue).drain(..).collect();
         if records.is_empty() {
             return Ok(());
@@ -129,6 +149,18 @@ mod tests {
             .iter()
             .map(|r| String::from_utf8_lossy(&r.value).into_owned())
             .collect()
+    }
+
+    /// A task whose transaction aborted: its outputs, queued or released by
+    /// units still finishing, never reach the revived task's transaction.
+    #[test]
+    fn a_discarded_queue_drops_what_it_holds_and_everything_pushed_after() {
+        let queue = SinkQueue::new("out".into(), Some("app-task".into()));
+        queue.push(vec![output("1")]);
+        queue.discard();
+        assert!(queue.is_empty());
+        queue.push(vec![output("2")]);
+        assert!(queue.is_empty(), "pushed after the discard");
     }
 
     #[test]

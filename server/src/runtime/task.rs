@@ -1004,6 +1004,9 @@ impl Task {
         let fetched_end = self.seq.fetched_end();
         let corruption = self.corrupted.get_or_insert(Corruption { fenced, fetched_end });
         corruption.fenced |= fenced;
+        if let Some(sink) = &self.sink {
+            sink.discard();
+        }
         self.begin_removal()
     }
 

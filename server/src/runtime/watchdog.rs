@@ -81,6 +81,7 @@ fn run(shared: &Weak<Shared>, watchdog: &Watchdog, tick: Duration, threshold: Du
             _ => {}
         }
         super::revival::revive_corrupted(&shared);
+        super::revival::adopt_assigned(&shared);
         let now = Instant::now();
         let stalls = shared.lock().commit_stalls(now, threshold);
         said.report(&stalls, now);
