@@ -16,7 +16,7 @@
 
 mod common;
 
-use common::instance::{Instance, Launch, counts_of, share_all};
+use common::instance::{Instance, Launch, counts_of, runtime, share_all};
 use common::kafka::{Broker, launch, missing_tool, unique};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -33,14 +33,6 @@ const KEYS: u64 = 60;
 const DEADLINE: Duration = Duration::from_secs(180);
 /// The tests' broker times a group session out after 6 s.
 const PAST_THE_SESSION: Duration = Duration::from_secs(9);
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a tokio runtime")
-}
 
 /// A small seeded generator (xorshift64*): the schedule is reproducible from its seed.
 struct Schedule(u64);
@@ -346,23 +338,9 @@ fn producer(
     })
 }
 
-fn eventually(what: &str, logs: &[PathBuf], mut condition: impl FnMut() -> bool) -> Duration {
-    let started = Instant::now();
-    while !condition() {
-        if started.elapsed() > DEADLINE {
-            for log in logs {
-                let text = std::fs::read_to_string(log).unwrap_or_default();
-                let tail: Vec<&str> = text.lines().rev().take(30).collect();
-                eprintln!("--- last lines of {}:", log.display());
-                for line in tail.into_iter().rev() {
-                    eprintln!("{line}");
-                }
-            }
-            panic!("not within {DEADLINE:?}: {what}");
-        }
-        std::thread::sleep(Duration::from_millis(250));
-    }
-    started.elapsed()
+/// `eventually_within` the test's `DEADLINE`.
+fn eventually(what: &str, logs: &[PathBuf], condition: impl FnMut() -> bool) -> Duration {
+    common::instance::eventually_within(DEADLINE, what, logs, condition)
 }
 
 fn all(instances: &[Instance]) -> Vec<&Instance> {

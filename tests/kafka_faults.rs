@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::instance::{Instance, Launch, counts_of, own_metadata, share_all};
+use common::instance::{Instance, Launch, counts_of, own_metadata, runtime, share_all};
 use common::kafka::{Broker, broker, unique};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -19,32 +19,9 @@ use taskstream_server::Log as _;
 /// what these tests look for and they report how long each step took.
 const DEADLINE: Duration = Duration::from_secs(120);
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a tokio runtime")
-}
-
-/// Polls `condition` until it holds or `DEADLINE` passes; answers how long it took.
-fn eventually(what: &str, logs: &[PathBuf], mut condition: impl FnMut() -> bool) -> Duration {
-    let started = Instant::now();
-    while !condition() {
-        if started.elapsed() > DEADLINE {
-            for log in logs {
-                let text = std::fs::read_to_string(log).unwrap_or_default();
-                let tail: Vec<&str> = text.lines().rev().take(40).collect();
-                eprintln!("--- last lines of {}:", log.display());
-                for line in tail.into_iter().rev() {
-                    eprintln!("{line}");
-                }
-            }
-            panic!("not within {DEADLINE:?}: {what}");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    started.elapsed()
+/// `eventually_within` the test's `DEADLINE`.
+fn eventually(what: &str, logs: &[PathBuf], condition: impl FnMut() -> bool) -> Duration {
+    common::instance::eventually_within(DEADLINE, what, logs, condition)
 }
 
 /// Produces `records` straight to Kafka, keyed `{prefix}-{i % keys}`; answers the count per key.

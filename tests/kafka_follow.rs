@@ -8,7 +8,7 @@
 mod common;
 
 use common::cli_binary;
-use common::instance::{Instance, Launch, own_partitions, share_all};
+use common::instance::{Instance, Launch, own_partitions, runtime, share_all};
 use common::kafka::{Broker, broker, unique};
 use std::collections::BTreeMap;
 use std::io::{BufRead as _, BufReader};
@@ -24,31 +24,9 @@ const PARTITIONS: u32 = 6;
 /// the restore), and on catching up.
 const DEADLINE: Duration = Duration::from_secs(120);
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a tokio runtime")
-}
-
-fn eventually(what: &str, logs: &[PathBuf], mut condition: impl FnMut() -> bool) -> Duration {
-    let started = Instant::now();
-    while !condition() {
-        if started.elapsed() > DEADLINE {
-            for log in logs {
-                let text = std::fs::read_to_string(log).unwrap_or_default();
-                let tail: Vec<&str> = text.lines().rev().take(30).collect();
-                eprintln!("--- last lines of {}:", log.display());
-                for line in tail.into_iter().rev() {
-                    eprintln!("{line}");
-                }
-            }
-            panic!("not within {DEADLINE:?}: {what}");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    started.elapsed()
+/// `eventually_within` the test's `DEADLINE`.
+fn eventually(what: &str, logs: &[PathBuf], condition: impl FnMut() -> bool) -> Duration {
+    common::instance::eventually_within(DEADLINE, what, logs, condition)
 }
 
 /// What one subscriber saw, per partition.

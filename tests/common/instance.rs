@@ -268,3 +268,40 @@ pub fn add(a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>) -> BTreeMap<Str
     }
     sum
 }
+
+/// A small multi-threaded tokio runtime for a test's gRPC calls.
+#[allow(dead_code)]
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}
+
+/// Polls `condition` until it holds or `deadline` passes, then panics with
+/// the last lines of the instances' `logs`; answers how long it took.
+#[allow(dead_code)]
+pub fn eventually_within(
+    deadline: Duration,
+    what: &str,
+    logs: &[PathBuf],
+    mut condition: impl FnMut() -> bool,
+) -> Duration {
+    let started = Instant::now();
+    while !condition() {
+        if started.elapsed() > deadline {
+            for log in logs {
+                let text = std::fs::read_to_string(log).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(30).collect();
+                eprintln!("--- last lines of {}:", log.display());
+                for line in tail.into_iter().rev() {
+                    eprintln!("{line}");
+                }
+            }
+            panic!("not within {deadline:?}: {what}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    started.elapsed()
+}
