@@ -57,46 +57,44 @@ pub(crate) fn revive_corrupted(shared: &Shared) {
     if shared.lock().corrupted().is_empty() {
         return;
     }
-    {
-        let _membership = shared.membership.lock().unwrap_or_else(|e| e.into_inner());
-        let corrupted = shared.lock().corrupted();
-        if corrupted.is_empty() {
-            return;
-        }
-        let mut closed: Vec<(usize, u32, u64, bool)> = Vec::new();
-        close_when_idle(shared, corrupted, |task: &Detached| {
-            let Some(corruption) = task.corruption() else {
-                return;
-            };
-            closed.push((
-                task.pipeline(),
-                task.partition(),
-                corruption.fetched_end,
-                corruption.fenced,
-            ));
-            tracing::warn!(
-                task = %task.id(), committed = task.committed(), fetched_end = corruption.fetched_end,
-                fenced = corruption.fenced,
-                "task closed without a commit: its transaction aborted, and what it held is gone"
-            );
-        });
-        for (pipeline, partition, fetched_end, was_fenced) in closed {
-            if was_fenced {
-                let id = super::task::task_id(&shared.pipelines[pipeline].name, partition);
-                fenced_recently()
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(shared.transactional_id(&id), Instant::now());
-                tracing::warn!(
-                    task = %id,
-                    "the task's producer was fenced: another instance owns the task now; not revived here"
-                );
-            } else {
-                revive_if_assigned(shared, pipeline, partition, fetched_end);
-            }
-        }
-        republish(shared);
+    let _membership = shared.membership.lock().unwrap_or_else(|e| e.into_inner());
+    let corrupted = shared.lock().corrupted();
+    if corrupted.is_empty() {
+        return;
     }
+    let mut closed: Vec<(usize, u32, u64, bool)> = Vec::new();
+    close_when_idle(shared, corrupted, |task: &Detached| {
+        let Some(corruption) = task.corruption() else {
+            return;
+        };
+        closed.push((
+            task.pipeline(),
+            task.partition(),
+            corruption.fetched_end,
+            corruption.fenced,
+        ));
+        tracing::warn!(
+            task = %task.id(), committed = task.committed(), fetched_end = corruption.fetched_end,
+            fenced = corruption.fenced,
+            "task closed without a commit: its transaction aborted, and what it held is gone"
+        );
+    });
+    for (pipeline, partition, fetched_end, was_fenced) in closed {
+        if was_fenced {
+            let id = super::task::task_id(&shared.pipelines[pipeline].name, partition);
+            fenced_recently()
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(shared.transactional_id(&id), Instant::now());
+            tracing::warn!(
+                task = %id,
+                "the task's producer was fenced: another instance owns the task now; not revived here"
+            );
+        } else {
+            revive_if_assigned(shared, pipeline, partition, fetched_end);
+        }
+    }
+    republish(shared);
 }
 
 /// Adds the tasks of partitions the group assigns here that have none: their
