@@ -11,8 +11,16 @@
 //! duplicates reported — nothing dead-lettered, every partition processing.
 //!
 //! `TASKSTREAM_CHAOS_FAULTS` (default 10), `TASKSTREAM_CHAOS_SEED` and
-//! `TASKSTREAM_CHAOS_KINDS` (e.g. `kill,pause`) set the schedule; the long run (`TASKSTREAM_CHAOS_FAULTS=100`, release) is the
-//! benchmark harness's, with its report in bench/results/chaos.md.
+//! `TASKSTREAM_CHAOS_KINDS` (e.g. `kill,pause`; default: every kind the test
+//! takes) set the schedule. A long run:
+//! `TASKSTREAM_CHAOS_FAULTS=100 cargo test --release --test kafka_chaos -- --include-ignored`.
+//!
+//! Under exactly_once_v2 the broker restart is a test of its own: a single
+//! broker that restarts and times out a transaction open across the outage
+//! before its partitions have a leader skips the transaction's abort
+//! markers ("Couldn't find leader endpoint … likely deleted already"), and
+//! read_committed readers then see the aborted records (see README,
+//! exactly-once).
 
 mod common;
 
@@ -347,7 +355,30 @@ fn all(instances: &[Instance]) -> Vec<&Instance> {
     instances.iter().collect()
 }
 
-fn chaos(guarantee: &str) {
+/// Copies the instances' and the broker's logs out of the scratch dir when
+/// the test fails (it is removed then), for the post-mortem.
+struct LogKeeper {
+    kept: PathBuf,
+    logs: Vec<(PathBuf, String)>,
+}
+
+impl Drop for LogKeeper {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let _ = std::fs::create_dir_all(&self.kept);
+        for (log, name) in &self.logs {
+            let _ = std::fs::copy(log, self.kept.join(name));
+        }
+        eprintln!("logs kept in {}", self.kept.display());
+    }
+}
+
+/// Every kind but the broker restart (see the module's doc).
+const KINDS_BUT_BROKER: [Fault; 4] = [Fault::Kill, Fault::Pause, Fault::Terminate, Fault::Processor];
+
+fn chaos(guarantee: &str, default_kinds: &[Fault]) {
     if let Some(reason) = missing_tool() {
         eprintln!("skipping: {reason}");
         return;
@@ -368,6 +399,15 @@ fn chaos(guarantee: &str) {
         app.name,
         app.dir.path().display()
     );
+    let _keeper = LogKeeper {
+        kept: std::env::temp_dir().join(format!("taskstream-chaos-logs-{}", app.name)),
+        logs: logs
+            .iter()
+            .enumerate()
+            .map(|(i, log)| (log.clone(), format!("instance-{i}.log")))
+            .chain([(broker.dir.join("broker.log"), "broker.log".to_string())])
+            .collect(),
+    };
     let mut instances: Vec<Instance> = (0..3).map(|i| app.start(&broker, i)).collect();
     let runtime = runtime();
     eventually("three instances share the partitions", &logs, || {
@@ -379,14 +419,15 @@ fn chaos(guarantee: &str) {
 
     // `TASKSTREAM_CHAOS_KINDS=kill,pause,…` keeps to those kinds (to bisect a failure).
     let kinds: Vec<Fault> = match std::env::var("TASKSTREAM_CHAOS_KINDS") {
-        Ok(list) => KINDS
-            .into_iter()
+        Ok(list) => default_kinds
+            .iter()
+            .copied()
             .filter(|k| {
                 list.split(',')
                     .any(|name| name.trim().eq_ignore_ascii_case(&format!("{k:?}")))
             })
             .collect(),
-        Err(_) => KINDS.to_vec(),
+        Err(_) => default_kinds.to_vec(),
     };
     assert!(!kinds.is_empty(), "TASKSTREAM_CHAOS_KINDS names no fault kind");
     let mut schedule = Schedule(seed | 1);
@@ -472,8 +513,10 @@ fn chaos(guarantee: &str) {
     // The sink: each source record's output once (key and source offset).
     let outputs = read_all(&broker, &app.sink, Some("source-offset"));
     let mut seen: BTreeMap<(String, String), u64> = BTreeMap::new();
-    for (_, _, key, offset) in outputs {
-        *seen.entry((key, offset)).or_default() += 1;
+    let mut placed: BTreeMap<(String, String), Vec<(u32, u64)>> = BTreeMap::new();
+    for (partition, at, key, offset) in outputs {
+        *seen.entry((key.clone(), offset.clone())).or_default() += 1;
+        placed.entry((key, offset)).or_default().push((partition, at));
     }
     let missing = source
         .iter()
@@ -493,18 +536,8 @@ fn chaos(guarantee: &str) {
     let failing =
         missing > 0 || dead > 0 || (guarantee == "exactly_once_v2" && (duplicated > 0 || last != expected));
     if failing {
-        // Kept past the scratch dir's removal, for the post-mortem.
-        let kept = std::env::temp_dir().join(format!("taskstream-chaos-logs-{}", app.name));
-        let _ = std::fs::create_dir_all(&kept);
-        for (i, log) in logs.iter().enumerate() {
-            let _ = std::fs::copy(log, kept.join(format!("instance-{i}.log")));
-        }
-        let _ = std::fs::copy(broker.dir.join("broker.log"), kept.join("broker.log"));
-        let twice: Vec<_> = seen.iter().filter(|(_, n)| **n > 1).take(20).collect();
-        eprintln!(
-            "logs kept in {}; outputs seen twice (first 20): {twice:?}",
-            kept.display()
-        );
+        let twice: Vec<_> = placed.iter().filter(|(_, at)| at.len() > 1).take(40).collect();
+        eprintln!("outputs seen twice (first 40, with their sink partition and offset): {twice:?}");
     }
     assert_eq!(missing, 0, "every record's output is in the sink topic");
     assert_eq!(dead, 0, "nothing was meant to fail");
@@ -538,13 +571,18 @@ fn chaos(guarantee: &str) {
 }
 
 #[test]
-#[ignore = "known open (issue 42): with seed 0x5eed2026 the sink holds 68-155 outputs twice (read_committed) while the counts are exact; records re-run by tasks revived around the broker restarts and SIGTERMs"]
 fn chaos_on_kafka_loses_nothing_and_applies_nothing_twice_exactly_once() {
-    chaos("exactly_once_v2");
+    chaos("exactly_once_v2", &KINDS_BUT_BROKER);
 }
 
 #[test]
-#[ignore = "known open (issue 42): with seed 0x5eed2026 the counts stop short of the records produced after the schedule (the stores stop counting within 180 s)"]
+#[ignore = "the broker's limit (see the module's doc): after a restart of the one broker it skips abort markers of transactions it times out, so the sink shows aborted outputs (68-155 of ~9,900 with seed 0x5eed2026)"]
+fn chaos_on_kafka_with_broker_restarts_exactly_once() {
+    chaos("exactly_once_v2", &KINDS);
+}
+
+#[test]
+#[ignore = "known open (issue 42): in 2 of 3 runs here, after broker restarts, some records' counts never reached the stores though every task's watermark and commit reached its end (seed 0xb: 17 of 8,570 in two partitions)"]
 fn chaos_on_kafka_loses_nothing_at_least_once() {
-    chaos("at_least_once");
+    chaos("at_least_once", &KINDS);
 }

@@ -520,7 +520,12 @@ fn spawn_tied_to_this_process(command: Command, log: &Path) -> Result<Child, Str
 }
 
 fn spawn_with_pdeathsig(command: Command, log: &Path) -> Result<Child, String> {
-    let out = File::create(log).map_err(|e| format!("create {}: {e}", log.display()))?;
+    // Appended to: a restarted broker's log follows its first life's.
+    let out = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(|e| format!("open {}: {e}", log.display()))?;
     let err = out.try_clone().map_err(|e| format!("{}: {e}", log.display()))?;
     let mut wrapped = Command::new("setpriv");
     wrapped

@@ -111,14 +111,11 @@ fn freeze(shared: &Shared, item: &CommitItem, last: bool) -> Result<FreezeResult
     Ok(begin())
 }
 
-/// Appends the outputs released so far by the tasks of `items`: with the
+/// Appends the outputs released so far by the task of `item`: with the
 /// log's flush after it, no commit covers a record whose outputs are not
 /// durably in the sink topic (at-least-once).
-fn drain_sinks(shared: &Shared, items: &[CommitItem]) -> Result<(), String> {
-    for sink in items.iter().filter_map(|item| item.sink.as_deref()) {
-        sink.drain(shared)?;
-    }
-    Ok(())
+fn drain_sink(shared: &Shared, item: &CommitItem) -> Result<(), String> {
+    item.sink.as_deref().map_or(Ok(()), |sink| sink.drain(shared))
 }
 
 /// Carries out commits due now: freezes first (a task waiting idle for its
@@ -128,18 +125,35 @@ pub(crate) fn run(shared: &Shared, items: Vec<CommitItem>) {
     if items.is_empty() {
         return;
     }
-    if let Err(error) = drain_sinks(shared, &items).and_then(|()| shared.flush_log()) {
+    // A task whose outputs cannot be appended (its transaction aborted, say)
+    // fails its own commit only; the others go on. The flush is the log's,
+    // so it fails them all.
+    let mut ready_to_freeze = Vec::with_capacity(items.len());
+    let mut unready: Vec<(CommitItem, String)> = Vec::new();
+    for item in items {
+        match drain_sink(shared, &item) {
+            Ok(()) => ready_to_freeze.push(item),
+            Err(error) => unready.push((item, error)),
+        }
+    }
+    let mut items = ready_to_freeze;
+    if let Err(error) = shared.flush_log() {
+        unready.extend(items.drain(..).map(|item| (item, error.clone())));
+    }
+    if !unready.is_empty() {
         // Nothing frozen yet: a task waiting idle for its freeze resumes, and
-        // every commit is tried again at the next round.
+        // its commit is tried again at the next round.
         let mut scheduler = shared.lock();
-        for item in &items {
+        for (item, _) in &unready {
             scheduler.frozen(item, FreezeResult::Busy);
         }
         shared.wake_waiters(&scheduler);
         drop(scheduler);
-        for item in &items {
-            failed(shared, item, &error);
+        for (item, error) in &unready {
+            failed(shared, item, error, FailedAt::Drain);
         }
+    }
+    if items.is_empty() {
         return;
     }
     let mut ready = Vec::with_capacity(items.len());
@@ -166,7 +180,7 @@ pub(crate) fn run(shared: &Shared, items: Vec<CommitItem>) {
         shared.wake_waiters(&scheduler);
     }
     for (item, error) in faults {
-        failed(shared, &item, &error);
+        failed(shared, &item, &error, FailedAt::Write);
     }
     if ready.is_empty() {
         return;
@@ -223,15 +237,30 @@ fn write_and_report(shared: &Shared, item: &CommitItem) -> Result<(), String> {
             Ok(())
         }
         Err(e) => {
-            failed(shared, item, &e);
+            failed(shared, item, &e, FailedAt::Write);
             Err(e)
         }
     }
 }
 
+/// When a commit failed: before its task was frozen for it (`Drain`: nothing
+/// of it was written), or after (`Write`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum FailedAt {
+    Drain,
+    Write,
+}
+
 /// A commit that could not be written: reported, backed off, and (for a
 /// store) a storage fault until a later commit of the task succeeds.
-fn failed(shared: &Shared, item: &CommitItem, error: &str) {
+///
+/// Under exactly-once a failure after the freeze corrupts the task: its
+/// transaction holds that commit's changelog records, and outputs of the
+/// records the task would go on to process would join them, so a later
+/// commit of that transaction at the frozen positions would carry outputs
+/// of records above them, which run again after any later abort. The
+/// transaction is aborted and the task revived from its last commit instead.
+fn failed(shared: &Shared, item: &CommitItem, error: &str, at: FailedAt) {
     // An append of the task's transaction failed (on its way to this commit
     // or before): the transaction cannot commit, whatever failed here.
     let doomed = shared
@@ -239,10 +268,14 @@ fn failed(shared: &Shared, item: &CommitItem, error: &str) {
         .as_kafka()
         .filter(|_| shared.exactly_once())
         .and_then(|kafka| kafka.transaction_doomed(&shared.transactional_id(&item.task_id)));
+    let corrupt = match doomed {
+        Some(fenced) => Some(fenced),
+        None => (shared.exactly_once() && at == FailedAt::Write).then_some(false),
+    };
     let corrupted = {
         let mut scheduler = shared.lock();
         scheduler.commit_applied(item, false, std::time::Instant::now());
-        if let Some(fenced) = doomed
+        if let Some(fenced) = corrupt
             && scheduler.corrupt(item, fenced)
         {
             shared.watchdog.wake();
@@ -417,8 +450,8 @@ fn commit_positions(shared: &Shared, item: &CommitItem) -> Result<(), String> {
 /// callback; answers the error, if any.
 pub(crate) fn final_commit(shared: &Shared, item: &CommitItem) -> Result<(), String> {
     let _serial = shared.commit_lock.lock().unwrap_or_else(|e| e.into_inner());
-    if let Err(error) = drain_sinks(shared, std::slice::from_ref(item)).and_then(|()| shared.flush_log()) {
-        failed(shared, item, &error);
+    if let Err(error) = drain_sink(shared, item).and_then(|()| shared.flush_log()) {
+        failed(shared, item, &error, FailedAt::Drain);
         return Err(error);
     }
     let error = match freeze(shared, item, true) {
@@ -429,7 +462,7 @@ pub(crate) fn final_commit(shared: &Shared, item: &CommitItem) -> Result<(), Str
         Ok(FreezeResult::Stale) => "the store's last commit was taken already".to_string(),
         Err(error) => error,
     };
-    failed(shared, item, &error);
+    failed(shared, item, &error, FailedAt::Write);
     Err(error)
 }
 
