@@ -32,8 +32,18 @@ fn pip_install_target(source: &Path, target: &Path, cwd: &Path) {
         .env_remove("PIP_TARGET")
         .env_remove("PIP_PREFIX");
     let installed = run(install, "pip install", Duration::from_secs(300));
-    assert!(installed.status.success(), "pip install {} failed:\n{}", source.display(), installed.describe());
-    for stub in ["taskstream_pb2.py", "taskstream_pb2_grpc.py", "processor_pb2.py", "processor_pb2_grpc.py"] {
+    assert!(
+        installed.status.success(),
+        "pip install {} failed:\n{}",
+        source.display(),
+        installed.describe()
+    );
+    for stub in [
+        "taskstream_pb2.py",
+        "taskstream_pb2_grpc.py",
+        "processor_pb2.py",
+        "processor_pb2_grpc.py",
+    ] {
         let path = target.join("taskstream/v1").join(stub);
         assert!(path.is_file(), "the install lacks {}", path.display());
     }
@@ -53,9 +63,17 @@ fn python_package_builds_installs_and_passes_its_tests_on_the_server() {
         dist.display().to_string()
     ));
     let built = run(sdist, "build the sdist", Duration::from_secs(300));
-    assert!(built.status.success(), "building the sdist failed:\n{}", built.describe());
+    assert!(
+        built.status.success(),
+        "building the sdist failed:\n{}",
+        built.describe()
+    );
     let name = built.stdout.lines().last().unwrap_or_default().trim().to_string();
-    assert!(name.ends_with(".tar.gz"), "no sdist name in:\n{}", built.describe());
+    assert!(
+        name.ends_with(".tar.gz"),
+        "no sdist name in:\n{}",
+        built.describe()
+    );
 
     // Unpacked outside the repository; it must hold what it needs to build and check itself.
     let unpacked = scratch.path().join("src");
@@ -66,7 +84,11 @@ fn python_package_builds_installs_and_passes_its_tests_on_the_server() {
         unpacked.display().to_string()
     ));
     let unpacked_out = run(unpack, "unpack the sdist", Duration::from_secs(60));
-    assert!(unpacked_out.status.success(), "unpacking failed:\n{}", unpacked_out.describe());
+    assert!(
+        unpacked_out.status.success(),
+        "unpacking failed:\n{}",
+        unpacked_out.describe()
+    );
     let top = unpacked.join(unpacked_out.stdout.trim());
     for file in [
         "proto/taskstream/v1/taskstream.proto",
@@ -75,9 +97,13 @@ fn python_package_builds_installs_and_passes_its_tests_on_the_server() {
         "tests/conftest.py",
     ] {
         let path = top.join(file);
-        assert!(path.is_file() && !path.is_symlink(), "the sdist lacks {file} as a file");
+        assert!(
+            path.is_file() && !path.is_symlink(),
+            "the sdist lacks {file} as a file"
+        );
     }
-    let vendored = std::fs::read(top.join("proto/taskstream/v1/taskstream.proto")).expect("read the vendored proto");
+    let vendored =
+        std::fs::read(top.join("proto/taskstream/v1/taskstream.proto")).expect("read the vendored proto");
     let repo = std::fs::read(root.join("proto/taskstream/v1/taskstream.proto")).expect("read proto/");
     assert!(vendored == repo, "the sdist's proto differs from proto/");
 
@@ -94,8 +120,17 @@ fn python_package_builds_installs_and_passes_its_tests_on_the_server() {
         .env("TASKSTREAM_PROTO_DIR", top.join("proto"));
     let tested = run(pytest, "pytest of the Python package", Duration::from_secs(600));
     println!("{}", tested.stdout);
-    assert!(tested.status.success(), "the Python package's tests failed:\n{}", tested.describe());
-    let summary = tested.stdout.lines().rev().find(|l| l.contains(" passed")).unwrap_or_default();
+    assert!(
+        tested.status.success(),
+        "the Python package's tests failed:\n{}",
+        tested.describe()
+    );
+    let summary = tested
+        .stdout
+        .lines()
+        .rev()
+        .find(|l| l.contains(" passed"))
+        .unwrap_or_default();
     assert!(
         summary.contains("16 passed") && !summary.contains("failed") && !summary.contains("skipped"),
         "not every test of the package ran and passed: {summary}"
