@@ -45,7 +45,10 @@ fn python_processor_counts_and_enriches_exactly_as_its_code_says() {
 
 #[test]
 fn asyncio_processor_counts_and_enriches_exactly_as_its_code_says() {
-    drive("examples/python-processor/async_processor.py", "python-async-processor");
+    drive(
+        "examples/python-processor/async_processor.py",
+        "python-async-processor",
+    );
 }
 
 /// Runs `script` (the package from client/python/src on PYTHONPATH) and the
