@@ -25,8 +25,9 @@ fn health_subcommand_asks_grpc_health_of_a_running_server() {
         .spawn()
         .expect("start taskstream-server");
     let stdout = server.stdout.take().expect("piped stdout");
+    let mut lines = BufReader::new(stdout).lines();
     let mut address = None;
-    for line in BufReader::new(stdout).lines() {
+    for line in lines.by_ref() {
         let line = line.expect("a line of the banner");
         if let Some(rest) = line.strip_prefix("taskstream listening on ") {
             address = Some(rest.trim().to_string());
@@ -34,6 +35,8 @@ fn health_subcommand_asks_grpc_health_of_a_running_server() {
         }
     }
     let address = address.expect("the server printed its address");
+    // Read on, so its last line on shutdown does not meet a closed pipe.
+    let rest = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
 
     let up = health(&["--addr", &address]);
     assert_eq!(up.status.code(), Some(0), "{}", up.describe());
@@ -51,6 +54,11 @@ fn health_subcommand_asks_grpc_health_of_a_running_server() {
     assert!(stopped.success());
     let exit = server.wait().expect("wait for the server");
     assert!(exit.success(), "the server did not stop cleanly: {exit}");
+    let said = rest.join().expect("the reader thread");
+    assert!(
+        said.iter().any(|l| l.contains("watermarks committed")),
+        "no clean stop in {said:?}"
+    );
     let gone = health(&["--addr", &address, "--timeout-ms", "2000"]);
     assert_eq!(gone.status.code(), Some(1), "{}", gone.describe());
     assert!(gone.stderr.contains("cannot connect"), "{}", gone.describe());
