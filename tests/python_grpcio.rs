@@ -2,7 +2,8 @@
 //! from proto/ at test time with grpc_tools.protoc, then tests/python/grpcio_client.py
 //! produces, reads metadata, runs a bounded stream, checks the status codes and
 //! decodes rich error details with grpcio-status, runs the follow recipe of
-//! examples/python-follow/follow.py (its dedupe and gap logic, and a stream per
+//! examples/python-follow/follow.py (written with the client/python package,
+//! on PYTHONPATH; its dedupe and gap logic, and a stream per
 //! partition from the owner the metadata names); a 1 MB store name, malformed protobuf
 //! (raw bytes) and a 5 MiB request get their documented codes, with short messages.
 //! Python and its packages come from the tests' own venv (`common::tools`),
@@ -49,6 +50,8 @@ fn python_grpcio_client_end_to_end() {
     let server = Server::start("python-test");
     let mut client = python(root);
     client
+        // The follow recipe (examples/python-follow) is written with the package.
+        .env("PYTHONPATH", root.join("client/python/src"))
         .arg("tests/python/grpcio_client.py")
         .arg(server.addr())
         .arg(stubs.path());

@@ -1,7 +1,8 @@
-//! The Python example processor (examples/python-processor/processor.py, a
-//! grpcio ProcessorService) drives a pipeline end to end: stubs are generated
-//! from proto/ at test time in the tests' venv (`common::tools`), the example
-//! runs as it is on a free port, and the pipeline is the example's own
+//! The Python example processors (examples/python-processor/processor.py and
+//! its asyncio twin async_processor.py, both written with the taskstream
+//! package of client/python) drive a pipeline end to end: each runs as it is
+//! on a free port with the package's source on PYTHONPATH and the tests' venv
+//! (`common::tools`) for grpcio, and the pipeline is the example's own
 //! taskstream.toml pointed at it. The store and the sink topic must hold
 //! exactly what the Python code computes: a count per key, and each record
 //! enriched (upper-cased, numbered per key) in its key's order; a value that is
@@ -9,7 +10,6 @@
 
 mod common;
 
-use common::temp_dir;
 use common::tools::tools;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -40,29 +40,25 @@ fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
 
 #[test]
 fn python_processor_counts_and_enriches_exactly_as_its_code_says() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let stubs = temp_dir("python-processor-stubs");
-    let generated = Command::new(&tools().python)
-        .current_dir(root)
-        .args(["-m", "grpc_tools.protoc", "-I", "proto"])
-        .arg(format!("--python_out={}", stubs.path().display()))
-        .arg(format!("--grpc_python_out={}", stubs.path().display()))
-        .args([
-            "proto/taskstream/v1/taskstream.proto",
-            "proto/taskstream/v1/processor.proto",
-        ])
-        .output()
-        .expect("run grpc_tools.protoc");
-    assert!(
-        generated.status.success(),
-        "stub generation failed: {}",
-        String::from_utf8_lossy(&generated.stderr)
-    );
+    drive("examples/python-processor/processor.py", "python-processor");
+}
 
+#[test]
+fn asyncio_processor_counts_and_enriches_exactly_as_its_code_says() {
+    drive(
+        "examples/python-processor/async_processor.py",
+        "python-async-processor",
+    );
+}
+
+/// Runs `script` (the package from client/python/src on PYTHONPATH) and the
+/// example's pipeline against it as application `application_id`.
+fn drive(script: &str, application_id: &str) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut child = Command::new(&tools().python)
         .current_dir(root)
-        .env("PYTHONPATH", stubs.path())
-        .args(["-u", "examples/python-processor/processor.py", "127.0.0.1:0"])
+        .env("PYTHONPATH", root.join("client/python/src"))
+        .args(["-u", script, "127.0.0.1:0"])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -86,7 +82,7 @@ fn python_processor_counts_and_enriches_exactly_as_its_code_says() {
         panic!("the example's pipeline is not a grpc processor");
     };
     spec.endpoint = format!("http://127.0.0.1:{port}");
-    config.application_id = "python-processor".into();
+    config.application_id = application_id.into();
     config.commit_interval_ms = 50;
     config.retry_backoff_ms = 10;
     let app = StreamsApp::start(config).unwrap();
@@ -147,7 +143,7 @@ fn python_processor_counts_and_enriches_exactly_as_its_code_says() {
 
     let dead: Vec<_> = (0..partitions)
         .flat_map(|p| {
-            app.read_topic("python-processor-enriched-dlq", p, 0, 10)
+            app.read_topic(&format!("{application_id}-enriched-dlq"), p, 0, 10)
                 .unwrap()
                 .records
         })

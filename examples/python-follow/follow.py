@@ -11,19 +11,22 @@ owner no longer holds the outcomes wanted, it answers OUT_OF_RANGE with
 ErrorInfo `earliest`: the offsets below it are reported missed (`on_lagged`)
 and the stream resumes at `earliest`.
 
-Usage as a script (stubs generated from proto/ with grpc_tools.protoc):
+Usage as a script, with the taskstream package (`pip install ./client/python`):
 
-    python follow.py STUBS_DIR ADDR STORE
+    python follow.py ADDR STORE
 
 prints one line per record and one per missed range. As a module:
-`follow(addresses, store, pb, pb_grpc, on_batch, on_lagged, stop)`.
-
-Needs grpcio and grpcio-status (for the OUT_OF_RANGE details).
+`follow(addresses, store, on_batch, on_lagged, stop, partitions)`.
 """
 
 import sys
 import threading
 import time
+
+import grpc
+import taskstream
+from taskstream import errors
+from taskstream.v1 import taskstream_pb2 as pb
 
 FIRST_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 2.0
@@ -97,33 +100,21 @@ class PartitionFollow:
 
 
 def earliest_of(error):
-    """(partition, earliest) of an OUT_OF_RANGE answer, or None."""
-    import grpc
-    from grpc_status import rpc_status
-    from google.rpc import error_details_pb2
-
-    if error.code() != grpc.StatusCode.OUT_OF_RANGE:
+    """(partition, earliest) of an OUT_OF_RANGE answer (decoded by the package), or None."""
+    if not isinstance(error, errors.OutOfRange) or error.reason != errors.REASON_OFFSET_OUT_OF_RANGE:
         return None
-    status = rpc_status.from_call(error)
-    for detail in status.details if status else []:
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info) and info.reason == "OFFSET_OUT_OF_RANGE":
-            return int(info.metadata["partition"]), int(info.metadata["earliest"])
-    return None
+    if error.partition is None or error.earliest is None:
+        return None
+    return error.partition, error.earliest
 
 
-def _owner(addresses, store, partition, pb, pb_grpc):
+def _owner(addresses, store, partition):
     """The advertised host:port of the partition's owner, asking each known address in turn."""
-    import grpc
-
     for address in list(addresses):
         try:
-            with grpc.insecure_channel(address) as channel:
-                stub = pb_grpc.StreamsServiceStub(channel)
-                answer = stub.ProcessMetadataForStore(
-                    pb.ProcessMetadataForStoreRequest(store=store), timeout=5
-                )
-        except grpc.RpcError:
+            with taskstream.Client(address, timeout=5) as client:
+                answer = client.process_metadata_for_store(store)
+        except errors.TaskstreamError:
             continue
         for instance in answer.metadata:
             known = f"{instance.host_info.host}:{instance.host_info.port}"
@@ -135,16 +126,14 @@ def _owner(addresses, store, partition, pb, pb_grpc):
     return None
 
 
-def follow_partition(addresses, store, partition, start, pb, pb_grpc, on_batch, on_lagged, stop,
+def follow_partition(addresses, store, partition, start, on_batch, on_lagged, stop,
                      deadline_s=FOLLOW_DEADLINE_S, in_order=True):
     """Streams one partition's outcomes until `stop()`; follows it across owners."""
-    import grpc
-
     final = (pb.RECORD_OUTCOME_RETRYING, pb.RECORD_OUTCOME_UNSPECIFIED)
     state = PartitionFollow(start)
     backoff, lost_at, started = FIRST_BACKOFF_S, None, False
     while not stop():
-        owner = _owner(addresses, store, partition, pb, pb_grpc)
+        owner = _owner(addresses, store, partition)
         resume = state.resume_from()
         # Every stream after the first one resumes.
         state.resumed, started = started, True
@@ -155,8 +144,8 @@ def follow_partition(addresses, store, partition, start, pb, pb_grpc, on_batch, 
         try:
             if owner is None:
                 raise LookupError(f"no instance lists partition {partition} yet")
-            with grpc.insecure_channel(owner) as channel:
-                stream = pb_grpc.StreamsServiceStub(channel).GetMetadataAsync(request)
+            with taskstream.Client(owner) as client:
+                stream = client.streams.GetMetadataAsync(request)
                 for response in stream:
                     backoff, lost_at = FIRST_BACKOFF_S, None
                     if response.HasField("batch"):
@@ -167,15 +156,16 @@ def follow_partition(addresses, store, partition, start, pb, pb_grpc, on_batch, 
                     if stop():
                         stream.cancel()
                         return
-        except grpc.RpcError as error:
+        except grpc.RpcError as rpc_error:
+            error = errors.from_rpc_error(rpc_error)
             gap = earliest_of(error)
             if gap and gap[0] == partition:
                 for first, last in state.missed_until(gap[1]):
                     on_lagged(partition, first, last)
                 continue
-            if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN,
-                                    grpc.StatusCode.CANCELLED, grpc.StatusCode.FAILED_PRECONDITION):
-                raise
+            if error.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN,
+                                  grpc.StatusCode.CANCELLED, grpc.StatusCode.FAILED_PRECONDITION):
+                raise error from None
         except LookupError:
             pass
         # The stream ended or could not open: the partition is on the move.
@@ -186,10 +176,10 @@ def follow_partition(addresses, store, partition, start, pb, pb_grpc, on_batch, 
         backoff = min(backoff * 2, MAX_BACKOFF_S)
 
 
-def follow(addresses, store, pb, pb_grpc, on_batch, on_lagged, stop, partitions, start=None, **options):
+def follow(addresses, store, on_batch, on_lagged, stop, partitions, start=None, **options):
     """One thread per partition; callbacks run under one lock, one at a time."""
     lock = threading.Lock()
-    errors = []
+    failures = []
 
     def locked(callback):
         def run(*args):
@@ -201,29 +191,23 @@ def follow(addresses, store, pb, pb_grpc, on_batch, on_lagged, stop, partitions,
         try:
             follow_partition(list(addresses), store, partition,
                              None if start is None else start.get(partition, 0),
-                             pb, pb_grpc, locked(on_batch), locked(on_lagged), stop, **options)
+                             locked(on_batch), locked(on_lagged), stop, **options)
         except Exception as error:  # handed to the caller, who decides
-            errors.append(error)
+            failures.append(error)
 
     threads = [threading.Thread(target=one, args=(p,), daemon=True) for p in partitions]
     for thread in threads:
         thread.start()
-    return threads, errors
+    return threads, failures
 
 
 def main():
-    if len(sys.argv) != 4:
+    if len(sys.argv) != 3:
         print(__doc__, file=sys.stderr)
         return 2
-    stubs, addr, store = sys.argv[1:]
-    sys.path.insert(0, stubs)
-    import grpc
-    from taskstream.v1 import taskstream_pb2 as pb
-    from taskstream.v1 import taskstream_pb2_grpc as pb_grpc
-
-    with grpc.insecure_channel(addr) as channel:
-        metadata = pb_grpc.StreamsServiceStub(channel).ProcessMetadataForStore(
-            pb.ProcessMetadataForStoreRequest(store=store))
+    addr, store = sys.argv[1:]
+    with taskstream.Client(addr) as client:
+        metadata = client.process_metadata_for_store(store)
     partitions = sorted({tp.partition for m in metadata.metadata for tp in m.topic_partitions})
 
     def on_batch(batch, records):
@@ -233,13 +217,12 @@ def main():
     def on_lagged(partition, first, last):
         print(f"lagged partition={partition} offsets={first}..={last}")
 
-    threads, errors = follow([addr], store, pb, pb_grpc, on_batch, on_lagged, lambda: bool(errors),
-                             partitions)
+    threads, failures = follow([addr], store, on_batch, on_lagged, lambda: bool(failures), partitions)
     for thread in threads:
         thread.join()
-    for error in errors:
-        print(f"error: {error}", file=sys.stderr)
-    return 1 if errors else 0
+    for failure in failures:
+        print(f"error: {failure}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 //! `--config FILE`, then `TASKSTREAM_*` environment, then flags), binds the
 //! listen address, prints what it serves and runs `service::serve` until SIGINT
 //! or SIGTERM. An invalid configuration exits with code 2.
+//!
+//! `taskstream-server health` is the container's and the unit's probe instead:
+//! one `grpc.health.v1.Health/Check` of a running server (see [`health_check`]).
 
 use anyhow::Context as _;
 use clap::{CommandFactory as _, FromArgMatches as _, Parser};
@@ -32,7 +35,8 @@ const EXIT_INVALID_CONFIG: u8 = 2;
     version,
     after_help = "Every setting of the TOML file also has an environment variable: TASKSTREAM_ and its \
                   name in capitals (TASKSTREAM_RETRY_MAX_ATTEMPTS=5). The flags above that are settings \
-                  have one too."
+                  have one too.\n\n`taskstream-server health [--addr HOST:PORT] [--service NAME]` asks a running \
+                  server's grpc.health.v1 once instead (exit code 0: SERVING; 1: not serving or not reachable)."
 )]
 struct Cli {
     /// Address to serve gRPC on (host:port; port 0 picks a free port).
@@ -164,7 +168,98 @@ fn load_settings(cli: &Cli, flags: &clap::ArgMatches) -> Result<Settings, Config
     })
 }
 
+/// `taskstream-server health`: asks a running server's `grpc.health.v1` once.
+/// Exit code 0 when it answers SERVING, 1 when it answers anything else or
+/// cannot be reached in time, 2 for bad flags. Plain HTTP/2 only (as the
+/// probes of Kubernetes): a server with TLS is probed on its plaintext peer or
+/// with grpcurl.
+#[derive(Debug, Parser)]
+#[command(name = "taskstream-server health")]
+struct HealthCli {
+    /// The server to ask (host:port).
+    #[arg(
+        long,
+        env = "TASKSTREAM_HEALTH_ADDR",
+        default_value = "127.0.0.1:50051",
+        value_name = "ADDR"
+    )]
+    addr: String,
+
+    /// The service to ask about; empty: the server as a whole. E.g.
+    /// taskstream.v1.StreamsService, or taskstream.pipeline.NAME.
+    #[arg(long, default_value = "", value_name = "NAME")]
+    service: String,
+
+    /// Give up after this many milliseconds (connecting and answering).
+    #[arg(long, default_value_t = 5000, value_name = "MS")]
+    timeout_ms: u64,
+}
+
+fn health_check(args: impl Iterator<Item = std::ffi::OsString>) -> ExitCode {
+    let cli = HealthCli::parse_from(args);
+    if cli.timeout_ms == 0 {
+        eprintln!("error: --timeout-ms must be more than 0");
+        return ExitCode::from(EXIT_INVALID_CONFIG);
+    }
+    if let Err(message) = parse_host_port(&cli.addr) {
+        eprintln!("error: --addr: {message}; write it as host:port, e.g. 127.0.0.1:50051");
+        return ExitCode::from(EXIT_INVALID_CONFIG);
+    }
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let timeout = std::time::Duration::from_millis(cli.timeout_ms);
+    let service = cli.service.clone();
+    let uri = format!("http://{}", cli.addr);
+    let asked = runtime.block_on(async move {
+        let endpoint = tonic::transport::Endpoint::from_shared(uri)
+            .context("not a valid address")?
+            .connect_timeout(timeout)
+            .timeout(timeout);
+        let channel = tokio::time::timeout(timeout, endpoint.connect())
+            .await
+            .context("no connection within the timeout")?
+            .context("cannot connect")?;
+        let mut client = tonic_health::pb::health_client::HealthClient::new(channel);
+        let request = tonic_health::pb::HealthCheckRequest { service };
+        let answer = client
+            .check(request)
+            .await
+            .map_err(|status| anyhow::anyhow!("{}: {}", status.code().description(), status.message()))?;
+        anyhow::Ok(answer.into_inner().status())
+    });
+    let label = if cli.service.is_empty() {
+        "server"
+    } else {
+        cli.service.as_str()
+    };
+    match asked {
+        Ok(tonic_health::pb::health_check_response::ServingStatus::Serving) => {
+            println!("{}: {label} SERVING", cli.addr);
+            ExitCode::SUCCESS
+        }
+        Ok(status) => {
+            println!("{}: {label} {}", cli.addr, status.as_str_name());
+            ExitCode::FAILURE
+        }
+        Err(error) => {
+            eprintln!("error: {}: {error:#}", cli.addr);
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
+    let mut args = std::env::args_os();
+    if std::env::args_os().nth(1).is_some_and(|first| first == "health") {
+        let program = args.next().unwrap_or_default();
+        // `health` and its own flags; the server's flags do not apply.
+        return health_check(std::iter::once(program).chain(args.skip(1)));
+    }
     // Bad flags: clap prints the error and exits with 2.
     let flags = command().get_matches();
     let cli = Cli::from_arg_matches(&flags).unwrap_or_else(|e| e.exit());

@@ -295,7 +295,7 @@ def main():
             lagged.append((partition, first, last))
 
         threads, errors = follow.follow(
-            [addr], "counts", pb, pb_grpc, on_batch, on_lagged, done.is_set,
+            [addr], "counts", on_batch, on_lagged, done.is_set,
             partitions=list(range(8)), start={p: 0 for p in range(8)},
         )
         assert done.wait(TIMEOUT_S), f"{len(got)} of {want} records; errors {errors}"
