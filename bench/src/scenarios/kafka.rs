@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use taskstream_client::StreamsClient;
+use taskstream_server::config::LatencySpec;
 use taskstream_server::log::KafkaLog;
 use taskstream_server::{
     Config, Log as _, PipelineConfig, ProcessingGuarantee, ProcessorSpec, ProducerRecord, StreamsApp,
@@ -40,9 +41,13 @@ const WINDOW: (f64, f64) = (0.1, 0.9);
 const THREADS: usize = 2;
 /// taskstream's commit interval, and the bare same-work loop's.
 const COMMIT_MS: u64 = 200;
+/// Stream threads of the `simulate` runs of the exactly-once cost (enough for T = 16).
+const SIM_THREADS: usize = 16;
 /// Targets of issue 47: taskstream's `count` against each limit.
 const TARGET_READ_ONLY: f64 = 0.7;
 const TARGET_SAME_WORK: f64 = 0.9;
+/// exactly_once_v2 / at-least-once at T = 16.
+const TARGET_EOS: f64 = 0.7;
 /// taskstream's Kafka log's fetch settings (`READER_DEFAULTS` in
 /// server/src/log/kafka.rs, which its group consumer and reader use).
 const FETCH_SETTINGS: &[(&str, &str)] = &[
@@ -150,7 +155,14 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
     let samples = repeat::alternate(&variants, rounds, |&variant| {
         let (measured, broker_seconds) = match variant {
             Loop::Taskstream(guarantee) => {
-                let (measured, problem) = taskstream_run(&bootstrap, broker_pid, &input, records, guarantee)?;
+                let (measured, problem) = taskstream_run(
+                    &bootstrap,
+                    broker_pid,
+                    &input,
+                    records,
+                    guarantee,
+                    &Shape::count(),
+                )?;
                 problems.extend(problem);
                 measured
             }
@@ -220,6 +232,81 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
         ratio(eos.cpu_us_per_record() / ours.cpu_us_per_record().max(1e-9)),
     ]);
     report.tables.push(eos_table);
+
+    // exactly_once_v2 against at-least-once with `simulate`, where a commit
+    // waits for the task's records in flight to drain.
+    let sim_records: u64 = ctx.pick(8_000, 800);
+    let sim_input = format!("{}-sim", broker::unique("bench-kafka"));
+    broker.create_topic(&sim_input, PARTITIONS)?;
+    prefill(&log, &sim_input, sim_records)?;
+    let sim_variants: Vec<(usize, ProcessingGuarantee)> = [1, 16]
+        .into_iter()
+        .flat_map(|t| {
+            [
+                ProcessingGuarantee::AtLeastOnce,
+                ProcessingGuarantee::ExactlyOnceV2,
+            ]
+            .map(move |g| (t, g))
+        })
+        .collect();
+    let mut sim_problems = Vec::new();
+    let sim_samples = repeat::alternate(&sim_variants, rounds, |&(per_task, guarantee)| {
+        let ((measured, _), problem) = taskstream_run(
+            &bootstrap,
+            broker_pid,
+            &sim_input,
+            sim_records,
+            guarantee,
+            &Shape::simulate(per_task),
+        )?;
+        sim_problems.extend(problem);
+        Ok(measured)
+    })?;
+    let mut sim_table = Table::new(
+        "What exactly_once_v2 costs with `simulate` 0–5 ms (records/s, median)",
+        &[
+            "T",
+            "at-least-once records/s",
+            "exactly_once_v2 records/s",
+            "EOS / ALOS",
+            "target",
+            "pass/miss",
+            "load",
+        ],
+    );
+    for (i, per_task) in [1usize, 16].into_iter().enumerate() {
+        let (alos, eos) = (&sim_samples[2 * i], &sim_samples[2 * i + 1]);
+        let r = eos.median_rate() / alos.median_rate().max(1e-9);
+        let mut both = alos.clone();
+        both.extend(eos);
+        sim_table.row(vec![
+            per_task.to_string(),
+            rate(alos.median_rate()),
+            rate(eos.median_rate()),
+            ratio(r),
+            if per_task == 16 {
+                format!("≥ {TARGET_EOS}")
+            } else {
+                "—".into()
+            },
+            if per_task == 16 {
+                Verdict::of(alos.all_finished() && eos.all_finished() && r >= TARGET_EOS)
+                    .as_str()
+                    .into()
+            } else {
+                "—".into()
+            },
+            both.load_cell(),
+        ]);
+    }
+    report.tables.push(sim_table);
+    report.notes.push(format!(
+        "The `simulate` runs: {} records in {PARTITIONS} partitions, latency uniform in 0–5 ms per \
+         record (seed 42), {SIM_THREADS} stream threads, T = 1 and T = 16, commits every {COMMIT_MS} ms, \
+         each guarantee {rounds} runs, alternating; timed like the count runs.",
+        group(sim_records)
+    ));
+    problems.extend(sim_problems);
     for problem in problems {
         report.notes.push(format!("**problem:** {problem}"));
     }
@@ -303,6 +390,39 @@ fn prefill(log: &KafkaLog, topic: &str, records: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What a taskstream run processes with: its processor and threads.
+struct Shape {
+    processor: ProcessorSpec,
+    threads: usize,
+    per_task: usize,
+}
+
+impl Shape {
+    /// `count`, `THREADS` stream threads, T = 1.
+    fn count() -> Shape {
+        Shape {
+            processor: ProcessorSpec::Count,
+            threads: THREADS,
+            per_task: 1,
+        }
+    }
+
+    /// `simulate`, latency uniform in 0–5 ms per record, `SIM_THREADS` threads, T = `per_task`.
+    fn simulate(per_task: usize) -> Shape {
+        Shape {
+            processor: ProcessorSpec::Simulate {
+                latency_ms: Some(LatencySpec::Uniform([0.0, 5.0])),
+                cpu_work_us: 0,
+                failure_rate: 0.0,
+                fail_attempts: 0,
+                seed: 42,
+            },
+            threads: SIM_THREADS,
+            per_task,
+        }
+    }
+}
+
 /// One instance counting `records` from `input` (a new application: a new
 /// group, from the beginning) under `guarantee`. Also answers the broker's CPU
 /// seconds in the window and what went wrong, if its tasks do not report every
@@ -313,16 +433,18 @@ fn taskstream_run(
     input: &str,
     records: u64,
     guarantee: ProcessingGuarantee,
+    shape: &Shape,
 ) -> anyhow::Result<((Measured, f64), Option<String>)> {
     let config = Config {
         application_id: broker::unique("bench-kafka-app"),
-        num_stream_threads: THREADS,
+        num_stream_threads: shape.threads,
+        num_threads_per_task: shape.per_task,
         commit_interval_ms: COMMIT_MS,
         processing_guarantee: guarantee,
         bootstrap_servers: Some(bootstrap.to_string()),
         replication_factor: 1,
         topics: vec![TopicConfig::new(input, PARTITIONS)],
-        pipelines: vec![PipelineConfig::new("counts", input, ProcessorSpec::Count)],
+        pipelines: vec![PipelineConfig::new("counts", input, shape.processor.clone())],
         ..Config::default()
     };
     let app = StreamsApp::start(config).context("start the instance")?;
