@@ -119,7 +119,8 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<ScenarioReport> {
              record per key counted since the last commit (its count, to the key's partition of a \
              changelog topic; one shared producer with taskstream's settings: idempotent, \
              linger.ms = 5), flushes it, and commits its partitions' offsets (synchronous), as \
-             taskstream's at-least-once commit does. All are timed from {:.0} % to {:.0} % of the \
+             taskstream's at-least-once commit does; the commit runs on a thread beside each \
+             consuming thread, at most one interval behind it. All are timed from {:.0} % to {:.0} % of the \
              records done (taskstream: the sum of its watermarks; bare: records counted), {rounds} \
              runs each, alternating; medians. CPU µs per record: the measuring process's CPU \
              time (user + system, /proc/self/stat) over the window's records; the broker's, from \
@@ -533,8 +534,50 @@ fn bare_run(
             assignment.add_partition_offset(input, partition, Offset::Beginning)?;
         }
         consumer.assign(&assignment)?;
-        let (read, stop, producer) = (read.clone(), stop.clone(), producer.clone());
-        let (input, changelog) = (input.to_string(), changelog.map(str::to_string));
+        let consumer = Arc::new(consumer);
+        // The commit of the same-work loop runs beside its consuming thread, as taskstream's
+        // commit overlaps its processing: it sends an interval's changelog records, flushes
+        // them, then commits the offsets read by the interval's end. One interval waits at
+        // most (a channel of one), so a slow commit holds the consumer back.
+        let committer = match (&producer, changelog) {
+            (Some(producer), Some(changelog)) => {
+                let (send, receive) = std::sync::mpsc::sync_channel::<Interval>(1);
+                let (producer, consumer) = (producer.clone(), consumer.clone());
+                let (input, changelog) = (input.to_string(), changelog.to_string());
+                let handle = std::thread::spawn(move || -> anyhow::Result<()> {
+                    for interval in receive {
+                        for (key, value, partition) in &interval.written {
+                            let mut pending = BaseRecord::<[u8], [u8]>::to(&changelog)
+                                .key(key.as_slice())
+                                .payload(value.as_bytes())
+                                .partition(*partition);
+                            loop {
+                                match producer.send(pending) {
+                                    Ok(()) => break,
+                                    Err((_, back)) => {
+                                        // Queue full: let deliveries drain, then again.
+                                        pending = back;
+                                        producer.poll(Duration::from_millis(1));
+                                    }
+                                }
+                            }
+                        }
+                        producer.flush(Duration::from_secs(30))?;
+                        let mut offsets = TopicPartitionList::new();
+                        for &(partition, offset) in &interval.positions {
+                            offsets.add_partition_offset(&input, partition, Offset::Offset(offset))?;
+                        }
+                        if offsets.count() > 0 {
+                            consumer.commit(&offsets, CommitMode::Sync)?;
+                        }
+                    }
+                    Ok(())
+                });
+                Some((send, handle))
+            }
+            _ => None,
+        };
+        let (read, stop) = (read.clone(), stop.clone());
         threads.push(std::thread::spawn(move || -> anyhow::Result<()> {
             // key → (count, partition, written since the last commit).
             let mut counts: HashMap<Vec<u8>, (u64, i32, bool)> = HashMap::new();
@@ -565,37 +608,29 @@ fn bare_run(
                     read.fetch_add(unpublished, Ordering::Release);
                     unpublished = 0;
                 }
-                if let (Some(producer), Some(changelog)) = (&producer, &changelog)
+                if let Some((send, _)) = &committer
                     && last_commit.elapsed() >= Duration::from_millis(COMMIT_MS)
                 {
                     last_commit = Instant::now();
-                    for (key, (count, partition, dirty)) in counts.iter_mut().filter(|(_, e)| e.2) {
-                        *dirty = false;
-                        let value = count.to_string();
-                        let mut pending = BaseRecord::<[u8], [u8]>::to(changelog)
-                            .key(key.as_slice())
-                            .payload(value.as_bytes())
-                            .partition(*partition);
-                        loop {
-                            match producer.send(pending) {
-                                Ok(()) => break,
-                                Err((_, back)) => {
-                                    // Queue full: let deliveries drain, then again.
-                                    pending = back;
-                                    producer.poll(Duration::from_millis(1));
-                                }
-                            }
-                        }
-                    }
-                    producer.flush(Duration::from_secs(30))?;
-                    let mut offsets = TopicPartitionList::new();
-                    for (&partition, &offset) in &positions {
-                        offsets.add_partition_offset(&input, partition, Offset::Offset(offset))?;
-                    }
-                    if offsets.count() > 0 {
-                        consumer.commit(&offsets, CommitMode::Sync)?;
+                    let written = counts
+                        .iter_mut()
+                        .filter(|(_, e)| e.2)
+                        .map(|(key, (count, partition, dirty))| {
+                            *dirty = false;
+                            (key.clone(), count.to_string(), *partition)
+                        })
+                        .collect();
+                    let positions = positions.iter().map(|(&p, &o)| (p, o)).collect();
+                    if send.send(Interval { written, positions }).is_err() {
+                        break;
                     }
                 }
+            }
+            if let Some((send, handle)) = committer {
+                drop(send);
+                handle
+                    .join()
+                    .map_err(|_| anyhow!("a bare committer panicked"))??;
             }
             Ok(())
         }));
@@ -606,6 +641,13 @@ fn bare_run(
         thread.join().map_err(|_| anyhow!("a bare loop panicked"))??;
     }
     measured
+}
+
+/// What the same-work loop commits for one interval: one changelog record per
+/// key counted in it (key, count, partition) and the offsets read by its end.
+struct Interval {
+    written: Vec<(Vec<u8>, String, i32)>,
+    positions: Vec<(i32, i64)>,
 }
 
 /// Polls `done` (records completed so far) until the window's end; answers
