@@ -75,6 +75,11 @@ impl Broker {
         (self.harness.formatted_in, self.harness.started_in)
     }
 
+    /// The broker JVM's process id (for its CPU time, shown apart from the measured process's).
+    pub fn pid(&self) -> u32 {
+        self.harness.pid
+    }
+
     /// The broker JVM's resident memory now, in KiB.
     pub fn rss_kib(&self) -> Option<u64> {
         self.harness.rss_kib()

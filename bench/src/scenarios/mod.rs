@@ -103,7 +103,7 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "kafka",
-        summary: "on Apache Kafka: one instance vs a bare rdkafka loop; SIGKILL and graceful failover times",
+        summary: "on Apache Kafka: one instance vs bare rdkafka limits (read-only, same work), exactly_once_v2 cost; SIGKILL and graceful failover times",
         run: kafka::run,
         in_quick_run: true,
     },
