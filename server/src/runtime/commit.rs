@@ -268,10 +268,7 @@ fn failed(shared: &Shared, item: &CommitItem, error: &str, at: FailedAt) {
         .as_kafka()
         .filter(|_| shared.exactly_once())
         .and_then(|kafka| kafka.transaction_doomed(&shared.transactional_id(&item.task_id)));
-    let corrupt = match doomed {
-        Some(fenced) => Some(fenced),
-        None => (shared.exactly_once() && at == FailedAt::Write).then_some(false),
-    };
+    let corrupt = doomed.or((shared.exactly_once() && at == FailedAt::Write).then_some(false));
     let corrupted = {
         let mut scheduler = shared.lock();
         scheduler.commit_applied(item, false, std::time::Instant::now());

@@ -28,19 +28,10 @@ from typing import Awaitable, Callable, Dict, List, Optional, Sequence, Tuple, U
 
 import grpc
 
+from .client import Bytes, _bytes
 from .v1 import processor_pb2 as ppb
 from .v1 import processor_pb2_grpc as ppb_grpc
 from .v1 import taskstream_pb2 as pb
-
-Bytes = Union[bytes, str]
-
-
-def _bytes(value: Bytes, what: str) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value.encode("utf-8")
-    raise TypeError(f"{what} must be bytes or str, not {type(value).__name__}")
 
 
 @dataclass(frozen=True)
